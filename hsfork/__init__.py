@@ -1,0 +1,1 @@
+"""Tooling for the vllm-hybrid-spec fork: upstream pin, patch series, wheel, bundle."""

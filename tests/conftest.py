@@ -1,0 +1,133 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared fixtures of our test suite (the fork's upstream tests use fork/tests).
+
+Markers: ``gpu`` tests need a CUDA device and are skipped, with the reason
+shown, elsewhere; every other test is a CPU test (marked ``cpu`` here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU hosts)")
+    config.addinivalue_line("markers", "cpu: runs on a CPU-only host")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda = None
+    for item in items:
+        if "gpu" in item.keywords:
+            if cuda is None:
+                cuda = _has_cuda()
+            if not cuda:
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason="needs a CUDA GPU: run on the GPU host from the bundle"
+                    )
+                )
+        else:
+            item.add_marker(pytest.mark.cpu)
+
+
+def git_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        GIT_AUTHOR_NAME="Test Author",
+        GIT_AUTHOR_EMAIL="author@example.com",
+        GIT_COMMITTER_NAME="Test Author",
+        GIT_COMMITTER_EMAIL="author@example.com",
+        GIT_CONFIG_NOSYSTEM="1",
+    )
+    return env
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=repo, env=git_env(), check=True, capture_output=True,
+        text=True,
+    ).stdout
+
+
+SYNTH_FILES = {
+    "PKG-INFO": "Metadata-Version: 2.1\nName: vllm\nVersion: 0.26.0\n",
+    ".gitignore": "/vllm/_version.py\n*.egg-info/\nbenchmarks/*.json\n",
+    "setup.py": "raise SystemExit('not built in tests')\n",
+    "vllm/__init__.py": "from .core import LLM\n",
+    "vllm/_version.py": "__version__ = '0.26.0'\n",
+    "vllm/core.py": "".join(f"LINE_{i} = {i}\n" for i in range(40)) + "class LLM: ...\n",
+    "vllm/other.py": "X = 1\n",
+    "vllm.egg-info/PKG-INFO": "generated\n",
+    "benchmarks/data.json": "{\"real\": \"source hidden by .gitignore\"}\n",
+    "tests/test_core.py": "def test_x():\n    assert True\n",
+}
+
+
+def make_sdist(path: Path, files: dict[str, str] = SYNTH_FILES) -> str:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            ti = tarfile.TarInfo(f"vllm-0.26.0/{name}")
+            ti.size = len(data)
+            ti.mode = 0o644
+            tar.addfile(ti, io.BytesIO(data))
+    path.write_bytes(buf.getvalue())
+    return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+@pytest.fixture
+def synth(tmp_path, monkeypatch):
+    """A synthetic upstream (tiny sdist) with its own pin, cache, fork/ and
+    patches/, wired into hsfork through its HSFORK_* variables."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    sha = make_sdist(cache / "vllm-0.26.0.tar.gz")
+    pin = tmp_path / "upstream.toml"
+    pin.write_text(
+        '[package]\nname = "vllm"\nversion = "0.26.0"\ntag = "v0.26.0"\n'
+        'cuda = "13.0"\n\n[[files]]\nkind = "sdist"\n'
+        f'filename = "vllm-0.26.0.tar.gz"\nsha256 = "{sha}"\n'
+    )
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    (patches / "series").write_text("")
+    for key, value in {
+        "HSFORK_PIN": pin,
+        "HSFORK_CACHE": cache,
+        "HSFORK_FORK": tmp_path / "fork",
+        "HSFORK_PATCHES": patches,
+        # never reach out to a real index from these tests
+        "HSFORK_INDEX_URL": "http://127.0.0.1:9/simple",
+    }.items():
+        monkeypatch.setenv(key, str(value))
+    for key, value in git_env().items():
+        if key.startswith("GIT_"):
+            monkeypatch.setenv(key, value)
+
+    class Synth:
+        root = tmp_path
+        fork = tmp_path / "fork"
+        patch_dir = patches
+        sdist_sha = sha
+
+    return Synth

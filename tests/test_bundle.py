@@ -1,0 +1,138 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The air-gapped GPU bundle: built, split, reassembled, verified, installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from hsfork.bundle import build_bundle, is_optional, parse_size
+
+VERSION = "0.26.0+hybridspec.p0.test"
+
+
+def _fake_fork_wheel(path: Path) -> Path:
+    rnd = os.urandom(40_000)  # incompressible: forces several parts
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("vllm/__init__.py", f"__version__ = {VERSION!r}\nclass LLM: ...\n")
+        z.writestr("vllm/_C_stable_libtorch.abi3.so", rnd)
+        z.writestr("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", b"optional fa2")
+        z.writestr("vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so", b"dg")
+        z.writestr(f"vllm-{VERSION}.dist-info/METADATA", f"Name: vllm\nVersion: {VERSION}\n")
+    return path
+
+
+def _fake_dep_wheel(d: Path, name: str) -> Path:
+    d.mkdir(exist_ok=True)
+    p = d / f"{name}-1.0-py3-none-any.whl"
+    di = f"{name}-1.0.dist-info"
+    with zipfile.ZipFile(p, "w") as z:
+        z.writestr(f"{name}/__init__.py", "VALUE = 42\n")
+        z.writestr(f"{di}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        z.writestr(f"{di}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{di}/RECORD", "")
+    return p
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    wheel = _fake_fork_wheel(tmp_path / f"vllm-{VERSION}-cp38-abi3-linux_x86_64.whl")
+    deps = [_fake_dep_wheel(tmp_path / "deps", n) for n in ("hsdep_one", "hsdep_two")]
+    tests = tmp_path / "ourtests"
+    tests.mkdir()
+    (tests / "test_gpu.py").write_text("def test(): pass\n")
+    out = tmp_path / "bundle"
+    manifest = build_bundle(
+        out, wheel, deps, {"tests": tests}, VERSION, part_size=16 * 1024, level="6"
+    )
+    return out, manifest, wheel
+
+
+def _install(staging: Path, target: Path, *extra: str):
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("PYTHONPATH", None)
+    return subprocess.run(
+        ["bash", str(staging / "install.sh"), str(staging), str(target), *extra],
+        capture_output=True, text=True, env=env,
+    )
+
+
+def test_parts_respect_size_and_manifest(bundle):
+    out, manifest, _ = bundle
+    parts = manifest["parts"]
+    assert len(parts) >= 3
+    assert all(p["size"] <= 16 * 1024 for p in parts)
+    assert sum(p["size"] for p in parts) == manifest["payload"]["size"]
+    on_disk = json.loads((out / "manifest.json").read_text())
+    assert on_disk == manifest
+    assert "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" in manifest["contents"]["excluded"]
+
+
+def test_roundtrip_install(bundle, tmp_path):
+    out, manifest, wheel = bundle
+    # parts arrive in a staging folder, as after several uploads
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    for f in out.iterdir():
+        (staging / f.name).write_bytes(f.read_bytes())
+    target = tmp_path / "target"
+    proc = _install(staging, target, "--check")
+    assert proc.returncode == 0, proc.stderr
+    assert f"part(s) verified for vllm {VERSION}" in proc.stdout
+    assert "payload verified" in proc.stdout
+    assert f"import vllm {VERSION} from {target}" in proc.stdout
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            installed = target / "site" / name
+            if is_optional(name):
+                assert not installed.exists(), name
+            else:
+                assert installed.read_bytes() == z.read(name), name
+    assert (target / "repo" / "tests" / "test_gpu.py").exists()
+    env_sh = (target / "env.sh").read_text()
+    assert f"{target}/site:{target}/deps:{target}/repo" in env_sh
+    assert "VLLM_USE_FLASHINFER_SAMPLER=0" in env_sh
+    check = subprocess.run(
+        ["bash", "-c", f"source {target}/env.sh && cd / && "
+         f"{sys.executable} -c 'import hsdep_one, hsdep_two; print(hsdep_one.VALUE)'"],
+        capture_output=True, text=True,
+    )
+    assert check.stdout.strip() == "42", check.stderr
+    assert not list(tmp_path.glob("target.install-*"))  # temp folder cleaned
+
+
+def test_corrupt_or_missing_part_is_refused(bundle, tmp_path):
+    out, manifest, _ = bundle
+    target = tmp_path / "target"
+    second = out / manifest["parts"][1]["name"]
+    data = bytearray(second.read_bytes())
+    data[100] ^= 0xFF
+    second.write_bytes(bytes(data))
+    proc = _install(out, target)
+    assert proc.returncode != 0
+    assert f"sha256 mismatch: {second.name}" in proc.stderr
+    second.unlink()
+    proc = _install(out, target)
+    assert proc.returncode != 0
+    assert f"missing: {second.name}" in proc.stderr
+    assert not target.exists()
+
+
+def test_with_optional_keeps_everything(tmp_path):
+    wheel = _fake_fork_wheel(tmp_path / "v.whl")
+    m = build_bundle(tmp_path / "b", wheel, [], {}, VERSION, 1 << 20, True, level="1")
+    assert m["contents"]["excluded"] == []
+    assert len(m["parts"]) == 1
+
+
+def test_parse_size():
+    assert parse_size("60M") == 60 << 20
+    assert parse_size("512K") == 512 << 10
+    assert parse_size("1GiB") == 1 << 30
+    assert parse_size("1000") == 1000

@@ -1,0 +1,153 @@
+# SPDX-License-Identifier: Apache-2.0
+"""make sync / make export on a synthetic upstream, and on the real series."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, git
+from hsfork import fork as hf
+from hsfork.common import ToolError, load_pin
+
+
+def _commit_change(repo: Path, path: str, text: str, msg: str) -> None:
+    target = repo / path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+    git(repo, "add", path)
+    git(repo, "commit", "-q", "-s", "-m", msg)
+
+
+def _snapshot(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_sync_imports_sdist_tags_and_stays_clean(synth):
+    repo = hf.sync()
+    assert git(repo, "tag").split() == ["v0.26.0"]
+    assert git(repo, "rev-list", "--count", "HEAD") == "1\n"
+    tracked = set(git(repo, "ls-files").split())
+    # a real source hidden by upstream's .gitignore is imported ...
+    assert "benchmarks/data.json" in tracked
+    # ... what the build regenerates is not
+    assert "vllm/_version.py" not in tracked
+    assert not any(p.startswith("vllm.egg-info") for p in tracked)
+    assert hf.dirty_paths(repo) == []
+    # the import commit is reproducible
+    first = git(repo, "rev-parse", "HEAD")
+    shutil.rmtree(repo)
+    assert git(hf.sync(), "rev-parse", "HEAD") == first
+
+
+def test_sync_then_export_is_byte_identical(synth):
+    repo = hf.sync()
+    _commit_change(repo, "vllm/core.py", "LINE_0 = 'patched'\n", "Fix core\n\nWhy.")
+    _commit_change(repo, "vllm/new.py", "Y = 2\n", "Add new module")
+    hf.export()
+    first = _snapshot(synth.patch_dir)
+    assert first["series"] == b"0001-Fix-core.patch\n0002-Add-new-module.patch\n"
+    assert first["0001-Fix-core.patch"].startswith(b"From " + b"0" * 40)
+    assert b"Signed-off-by: Test Author" in first["0001-Fix-core.patch"]
+    # a fresh clone of our repo has no fork/: sync from patches, export again
+    shutil.rmtree(repo)
+    hf.sync()
+    hf.export()
+    assert _snapshot(synth.patch_dir) == first
+    # and sync on an in-sync fork/ rebuilds it without complaint
+    hf.sync()
+    hf.export()
+    assert _snapshot(synth.patch_dir) == first
+
+
+def test_sync_refuses_uncommitted_changes(synth):
+    repo = hf.sync()
+    (repo / "vllm" / "other.py").write_text("X = 2\n")
+    with pytest.raises(ToolError, match="(?s)uncommitted changes.*vllm/other.py"):
+        hf.sync()
+    assert (repo / "vllm" / "other.py").read_text() == "X = 2\n"
+    (repo / "vllm" / "untracked.py").write_text("")
+    git(repo, "checkout", "vllm/other.py")
+    with pytest.raises(ToolError, match="(?s)uncommitted changes.*untracked.py"):
+        hf.sync()
+
+
+def test_sync_refuses_unexported_commits(synth):
+    repo = hf.sync()
+    _commit_change(repo, "vllm/other.py", "X = 3\n", "Work in progress")
+    with pytest.raises(ToolError, match="(?s)never exported.*Work in progress"):
+        hf.sync()
+    assert (repo / "vllm" / "other.py").read_text() == "X = 3\n"
+    hf.export()
+    hf.sync()  # exported now: allowed, and the commit comes back from patches/
+    assert (repo / "vllm" / "other.py").read_text() == "X = 3\n"
+
+
+def test_sync_picks_up_new_patches_when_fork_is_clean(synth):
+    repo = hf.sync()
+    _commit_change(repo, "vllm/other.py", "X = 4\n", "Change other")
+    hf.export()
+    saved = _snapshot(synth.patch_dir)
+    shutil.rmtree(repo)
+    (synth.patch_dir / "series").write_text("")  # an older checkout of patches/
+    hf.sync()
+    assert (repo / "vllm" / "other.py").read_text() == "X = 1\n"
+    for name, data in saved.items():  # `git pull` brings the patch back
+        (synth.patch_dir / name).write_bytes(data)
+    hf.sync()
+    assert (repo / "vllm" / "other.py").read_text() == "X = 4\n"
+
+
+def test_broken_patch_names_patch_and_file(synth):
+    repo = hf.sync()
+    _commit_change(repo, "vllm/core.py", "LINE_0 = 'a'\n", "Good patch")
+    _commit_change(repo, "vllm/other.py", "X = 5\n", "Patch to break")
+    hf.export()
+    before = git(repo, "rev-parse", "HEAD")
+    broken = synth.patch_dir / "0002-Patch-to-break.patch"
+    broken.write_text(broken.read_text().replace("-X = 1", "-X = 100"))
+    with pytest.raises(ToolError) as err:
+        hf.sync()
+    msg = str(err.value)
+    assert "0002-Patch-to-break.patch" in msg
+    assert "vllm/other.py" in msg
+    # the existing fork/ is untouched and nothing half-built is left behind
+    assert git(repo, "rev-parse", "HEAD") == before
+    leftovers = [p.name for p in synth.root.iterdir() if p.name.startswith(".fork")]
+    assert leftovers == []
+
+
+def test_series_naming_a_missing_patch_is_an_error(synth):
+    (synth.patch_dir / "series").write_text("0001-gone.patch\n")
+    with pytest.raises(ToolError, match="missing patch files: 0001-gone.patch"):
+        hf.sync()
+
+
+def test_local_label_identifies_the_stack(synth):
+    empty = hf.local_label()
+    assert empty.startswith("hybridspec.p0.")
+    repo = hf.sync()
+    _commit_change(repo, "vllm/other.py", "X = 6\n", "One")
+    hf.export()
+    one = hf.local_label()
+    assert one.startswith("hybridspec.p1.") and one != empty
+    assert hf.fork_version() == f"0.26.0+{one}"
+
+
+def test_real_series_sync_export_roundtrip(tmp_path, monkeypatch):
+    """The committed patches/ applies to the pinned sdist and exports back
+    byte-identically (what `make sync && make export` must keep clean)."""
+    pin = load_pin(REPO / "upstream.toml")
+    from hsfork.fetch import fetch_file
+
+    sdist = fetch_file(pin, pin.file("sdist"), REPO / ".cache" / "upstream")
+    monkeypatch.setenv("HSFORK_CACHE", str(sdist.parent))
+    monkeypatch.setenv("HSFORK_FORK", str(tmp_path / "fork"))
+    exported = tmp_path / "patches"
+    shutil.copytree(REPO / "patches", exported)
+    monkeypatch.setenv("HSFORK_PATCHES", str(exported))
+    hf.sync()
+    hf.export()
+    assert _snapshot(exported) == _snapshot(REPO / "patches")
