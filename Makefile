@@ -5,10 +5,10 @@ VENV_PY := .venv/bin/python
 UPSTREAM_TESTS := $(shell grep -v '^\s*\(#\|$$\)' tests/upstream-tests.txt)
 PYTEST_ARGS ?=
 
-.PHONY: help fetch sync export version wheel testbed fixtures test test-ours test-upstream bundle clean
+.PHONY: help fetch sync export version wheel testbed fixtures lint test test-ours test-upstream bundle clean
 
 help:
-	@echo "make fetch | sync | export | wheel | test | bundle | clean"
+	@echo "make fetch | sync | export | wheel | test | lint | bundle | clean"
 
 fetch:
 	$(PYTHON) -m hsfork fetch
@@ -31,8 +31,13 @@ fixtures:
 wheel: testbed
 	$(VENV_PY) -m hsfork wheel --python $(abspath $(VENV_PY))
 
-# CPU test suite: our tests, then the fork's upstream tests for the code we patch.
-test: testbed fixtures test-ours test-upstream
+# CPU test suite: lint, our tests, then the fork's upstream tests for the code
+# we patch.
+test: testbed fixtures lint test-ours test-upstream
+
+lint:
+	$(VENV_PY) -m ruff check hsfork tests
+	$(VENV_PY) -m ruff format --check hsfork tests
 
 test-ours:
 	$(VENV_PY) -m pytest tests $(PYTEST_ARGS)

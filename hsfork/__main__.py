@@ -21,10 +21,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bundle", help="pack the air-gapped GPU bundle")
     p.add_argument("--out", default=None)
     p.add_argument("--part-size", default="60M")
-    p.add_argument("--with-optional", action="store_true",
-                   help="include FA2, the MoE kernels and DeepGEMM")
-    p.add_argument("--wheels", default=None,
-                   help="folder of dependency wheels to include (cp312)")
+    p.add_argument(
+        "--with-optional",
+        action="store_true",
+        help="include FA2, the MoE kernels and DeepGEMM",
+    )
+    p.add_argument(
+        "--wheels", default=None, help="folder of dependency wheels to include (cp312)"
+    )
     p = sub.add_parser("fixtures", help="write the offline model cache")
     p.add_argument("--out", default=None)
     args = ap.parse_args(argv)

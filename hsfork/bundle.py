@@ -68,9 +68,10 @@ def parse_size(text: str | int) -> int:
     m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(i?B)?\s*", text, re.I)
     if not m:
         raise ToolError(f"cannot read size {text!r} (use e.g. 60M, 512K)")
-    return int(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[
-        m.group(2).upper()
-    ]
+    return (
+        int(m.group(1))
+        * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2).upper()]
+    )
 
 
 def canonical(name: str) -> str:

@@ -94,7 +94,10 @@ def find_links(index_url: str, project: str) -> dict[str, tuple[str, str | None]
     if "json" in ctype:
         for f in json.loads(body)["files"]:
             url = urllib.parse.urljoin(page, f["url"])
-            links[f["filename"]] = (url.split("#")[0], f.get("hashes", {}).get("sha256"))
+            links[f["filename"]] = (
+                url.split("#")[0],
+                f.get("hashes", {}).get("sha256"),
+            )
         return links
     for href, text in _ANCHOR.findall(body.decode("utf-8", "replace")):
         href = html.unescape(href)

@@ -206,12 +206,13 @@ def _import_commit(repo: Path, pin: Pin, sdist_name: str) -> None:
     # Upstream's .gitignore hides a few real sources of the sdist: force-add
     # everything except what a build regenerates.
     ignored = git(
-        repo, "ls-files", "--others", "--ignored", "--exclude-standard"
-    ).stdout.split("\n")
+        repo, "ls-files", "-z", "--others", "--ignored", "--exclude-standard"
+    ).stdout.split("\0")
     keep = [
         p
         for p in ignored
-        if p and not any(p == g or p.startswith(g + "/") for g in GENERATED)
+        if p
+        and not any(p == g or p.startswith(g + "/") for g in GENERATED)
         and not p.endswith(".so")
     ]
     if keep:
@@ -293,6 +294,36 @@ def sync(force: bool = False) -> Path:
     return repo
 
 
+def has_local_work(repo: Path, tag: str) -> bool:
+    try:
+        check_fork_clean(repo, tag)
+    except ToolError:
+        return True
+    return False
+
+
+def ensure_synced(allow_local_work: bool) -> Path:
+    """Make fork/ match patches/: sync when missing or stale.
+
+    A fork/ with local work (uncommitted or unexported) is left alone when
+    ``allow_local_work`` (tests run on what the developer is editing), and is
+    an error otherwise (a wheel must be exactly a patch stack)."""
+    pin = load_pin()
+    repo = fork_dir()
+    if not is_fork(repo):
+        return sync()
+    if has_local_work(repo, pin.tag):
+        if not allow_local_work:
+            check_fork_clean(repo, pin.tag)  # raises with the details
+        info(f"warning: {repo} has local work not in {patches_dir()}; using it as is")
+        return repo
+    want = series_digest([p.read_bytes() for p in read_series()])
+    if export_digest(repo, pin.tag) != want:
+        info(f"{repo} is behind {patches_dir()}: syncing")
+        return sync()
+    return repo
+
+
 # ---------------------------------------------------------------------------
 # export
 
@@ -317,8 +348,6 @@ def export() -> list[Path]:
             shutil.copyfile(f, dest)
             out.append(dest)
     (pdir / SERIES).write_text("".join(f"{p.name}\n" for p in out))
-    _stamp_path(repo).write_text(
-        series_digest([p.read_bytes() for p in out]) + "\n"
-    )
+    _stamp_path(repo).write_text(series_digest([p.read_bytes() for p in out]) + "\n")
     info(f"exported {len(out)} patch(es) to {pdir}")
     return out

@@ -26,9 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .common import REPO, ToolError, fork_dir, info, load_pin
+from .common import REPO, ToolError, info, load_pin
 from .fetch import fetch_file
-from .fork import fork_version, is_fork, sync
+from .fork import ensure_synced, fork_version
 
 VENV = Path(os.environ.get("HSFORK_VENV", REPO / ".venv"))
 REQUIREMENTS = REPO / "tests" / "requirements-cpu.txt"
@@ -79,7 +79,11 @@ def _stamp_inputs(repo: Path) -> str:
 
 def _site_packages() -> Path:
     out = subprocess.run(
-        [str(python()), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        [
+            str(python()),
+            "-c",
+            "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -115,9 +119,7 @@ def _installed_vllm() -> dict | None:
 
 def ensure_testbed() -> Path:
     pin = load_pin()
-    repo = fork_dir()
-    if not is_fork(repo):
-        sync()
+    repo = ensure_synced(allow_local_work=True)
     if not python().exists():
         info(f"creating {VENV}")
         subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
@@ -141,7 +143,9 @@ def ensure_testbed() -> Path:
 
     version = fork_version(pin)
     installed = _installed_vllm()
-    direct = json.loads(installed["direct"]) if installed and installed["direct"] else {}
+    direct = (
+        json.loads(installed["direct"]) if installed and installed["direct"] else {}
+    )
     editable_here = direct.get("dir_info", {}).get("editable") and direct.get(
         "url", ""
     ).endswith(str(repo))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .common import REPO, ToolError, dist_dir, fork_dir, info, load_pin, run
 from .fetch import fetch_file
-from .fork import check_fork_clean, fork_version, git, is_fork, sync
+from .fork import ensure_synced, fork_version, git
 
 _DRIVER = r"""
 import os, sys
@@ -41,16 +41,23 @@ def _checkout(repo: Path, dest: Path) -> None:
         shutil.rmtree(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     run(["git", "clone", "-q", "--no-checkout", str(repo), str(dest)])
-    run(["git", "-c", "advice.detachedHead=false", "checkout", "-q",
-         git(repo, "rev-parse", "HEAD").stdout.strip()], cwd=dest)
+    run(
+        [
+            "git",
+            "-c",
+            "advice.detachedHead=false",
+            "checkout",
+            "-q",
+            git(repo, "rev-parse", "HEAD").stdout.strip(),
+        ],
+        cwd=dest,
+    )
 
 
 def build_wheel(python: str, out: Path | None = None) -> Path:
     pin = load_pin()
     repo = fork_dir()
-    if not is_fork(repo):
-        sync()
-    check_fork_clean(repo, pin.tag)
+    ensure_synced(allow_local_work=False)
     version = fork_version(pin)
     upstream_wheel = fetch_file(pin, pin.file("wheel"))
     src = REPO / "build" / "wheel-src"
@@ -59,9 +66,7 @@ def build_wheel(python: str, out: Path | None = None) -> Path:
     out = out or dist_dir()
     out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix="hsfork-wheel-"))
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "CUDA"))
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "CUDA"))}
     env.update(
         {
             "VLLM_TARGET_DEVICE": "cuda",

@@ -84,9 +84,13 @@ def check_wheel(
         problems.append(f"upstream file missing: {name}")
     for name in sorted(our_names - their_names - changed - GENERATED_IN_WHEEL):
         problems.append(f"file not in upstream nor in the patches: {name}")
-    for name in sorted((untouched & our_names) - {n for n in their_names if _is_binary(n)}):
+    for name in sorted(
+        (untouched & our_names) - {n for n in their_names if _is_binary(n)}
+    ):
         if ours.read(name) != theirs.read(name):
-            problems.append(f"file differs from upstream but no patch touches it: {name}")
+            problems.append(
+                f"file differs from upstream but no patch touches it: {name}"
+            )
 
     meta = metadata_fields(_dist_info(ours, "METADATA"))
     umeta = metadata_fields(_dist_info(theirs, "METADATA"))
@@ -98,7 +102,9 @@ def check_wheel(
     if _dist_info(ours, "entry_points.txt") != _dist_info(theirs, "entry_points.txt"):
         problems.append("entry_points.txt differs from upstream")
     tag_line = [
-        line for line in _dist_info(ours, "WHEEL").splitlines() if line.startswith("Tag:")
+        line
+        for line in _dist_info(ours, "WHEEL").splitlines()
+        if line.startswith("Tag:")
     ]
     if tag_line != ["Tag: cp38-abi3-linux_x86_64"]:
         problems.append(f"wheel tag {tag_line}")

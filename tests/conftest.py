@@ -63,7 +63,11 @@ def git_env() -> dict[str, str]:
 
 def git(repo: Path, *args: str) -> str:
     return subprocess.run(
-        ["git", *args], cwd=repo, env=git_env(), check=True, capture_output=True,
+        ["git", *args],
+        cwd=repo,
+        env=git_env(),
+        check=True,
+        capture_output=True,
         text=True,
     ).stdout
 
@@ -74,10 +78,11 @@ SYNTH_FILES = {
     "setup.py": "raise SystemExit('not built in tests')\n",
     "vllm/__init__.py": "from .core import LLM\n",
     "vllm/_version.py": "__version__ = '0.26.0'\n",
-    "vllm/core.py": "".join(f"LINE_{i} = {i}\n" for i in range(40)) + "class LLM: ...\n",
+    "vllm/core.py": "".join(f"LINE_{i} = {i}\n" for i in range(40))
+    + "class LLM: ...\n",
     "vllm/other.py": "X = 1\n",
     "vllm.egg-info/PKG-INFO": "generated\n",
-    "benchmarks/data.json": "{\"real\": \"source hidden by .gitignore\"}\n",
+    "benchmarks/data.json": '{"real": "source hidden by .gitignore"}\n',
     "tests/test_core.py": "def test_x():\n    assert True\n",
 }
 

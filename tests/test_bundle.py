@@ -23,8 +23,12 @@ def _fake_fork_wheel(path: Path) -> Path:
         z.writestr("vllm/__init__.py", f"__version__ = {VERSION!r}\nclass LLM: ...\n")
         z.writestr("vllm/_C_stable_libtorch.abi3.so", rnd)
         z.writestr("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", b"optional fa2")
-        z.writestr("vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so", b"dg")
-        z.writestr(f"vllm-{VERSION}.dist-info/METADATA", f"Name: vllm\nVersion: {VERSION}\n")
+        z.writestr(
+            "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so", b"dg"
+        )
+        z.writestr(
+            f"vllm-{VERSION}.dist-info/METADATA", f"Name: vllm\nVersion: {VERSION}\n"
+        )
     return path
 
 
@@ -34,8 +38,13 @@ def _fake_dep_wheel(d: Path, name: str) -> Path:
     di = f"{name}-1.0.dist-info"
     with zipfile.ZipFile(p, "w") as z:
         z.writestr(f"{name}/__init__.py", "VALUE = 42\n")
-        z.writestr(f"{di}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
-        z.writestr(f"{di}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(
+            f"{di}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n"
+        )
+        z.writestr(
+            f"{di}/WHEEL",
+            "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
         z.writestr(f"{di}/RECORD", "")
     return p
 
@@ -59,7 +68,9 @@ def _install(staging: Path, target: Path, *extra: str):
     env.pop("PYTHONPATH", None)
     return subprocess.run(
         ["bash", str(staging / "install.sh"), str(staging), str(target), *extra],
-        capture_output=True, text=True, env=env,
+        capture_output=True,
+        text=True,
+        env=env,
     )
 
 
@@ -71,7 +82,9 @@ def test_parts_respect_size_and_manifest(bundle):
     assert sum(p["size"] for p in parts) == manifest["payload"]["size"]
     on_disk = json.loads((out / "manifest.json").read_text())
     assert on_disk == manifest
-    assert "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" in manifest["contents"]["excluded"]
+    assert (
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" in manifest["contents"]["excluded"]
+    )
 
 
 def test_roundtrip_install(bundle, tmp_path):
@@ -99,9 +112,15 @@ def test_roundtrip_install(bundle, tmp_path):
     assert f"{target}/site:{target}/deps:{target}/repo" in env_sh
     assert "VLLM_USE_FLASHINFER_SAMPLER=0" in env_sh
     check = subprocess.run(
-        ["bash", "-c", f"source {target}/env.sh && cd / && "
-         f"{sys.executable} -c 'import hsdep_one, hsdep_two; print(hsdep_one.VALUE)'"],
-        capture_output=True, text=True,
+        [
+            "bash",
+            "-c",
+            f"source {target}/env.sh && cd / && "
+            f"{sys.executable} -c 'import hsdep_one, hsdep_two; "
+            "print(hsdep_one.VALUE)'",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert check.stdout.strip() == "42", check.stderr
     assert not list(tmp_path.glob("target.install-*"))  # temp folder cleaned

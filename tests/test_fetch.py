@@ -112,8 +112,15 @@ def test_no_network_is_a_clear_error(tmp_path, monkeypatch):
 def test_json_simple_api(tmp_path, monkeypatch):
     """PEP 691 JSON answers are read too (served through a stub opener)."""
     body = json.dumps(
-        {"files": [{"filename": "vllm-0.26.0.tar.gz", "url": "/f/vllm.tgz",
-                    "hashes": {"sha256": GOOD}}]}
+        {
+            "files": [
+                {
+                    "filename": "vllm-0.26.0.tar.gz",
+                    "url": "/f/vllm.tgz",
+                    "hashes": {"sha256": GOOD},
+                }
+            ]
+        }
     ).encode()
 
     class Resp:

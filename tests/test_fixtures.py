@@ -32,11 +32,21 @@ print(json.dumps([type(c).__name__, t.hidden_size, t.layer_types[:4],
                   v.text_config.hidden_size, v.text_config.num_hidden_layers,
                   v.text_config.vocab_size]))
 """
-    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "PATH": "/usr/bin:/bin",
-           "CUDA_VISIBLE_DEVICES": "", "VLLM_TARGET_DEVICE": "empty",
-           "HOME": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, cwd=tmp_path)
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_CACHE": str(cache),
+        "PATH": "/usr/bin:/bin",
+        "CUDA_VISIBLE_DEVICES": "",
+        "VLLM_TARGET_DEVICE": "empty",
+        "HOME": str(tmp_path),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     import json
 

@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, git
+
 from hsfork import fork as hf
 from hsfork.common import ToolError, load_pin
 
@@ -151,3 +151,22 @@ def test_real_series_sync_export_roundtrip(tmp_path, monkeypatch):
     hf.sync()
     hf.export()
     assert _snapshot(exported) == _snapshot(REPO / "patches")
+
+
+def test_ensure_synced_follows_patches_but_keeps_local_work(synth):
+    repo = hf.sync()
+    _commit_change(repo, "vllm/other.py", "X = 7\n", "Seven")
+    hf.export()
+    saved = _snapshot(synth.patch_dir)
+    # patches/ moves back (e.g. a checkout of an older commit): fork/ follows
+    for name in saved:
+        (synth.patch_dir / name).unlink()
+    (synth.patch_dir / "series").write_text("")
+    hf.ensure_synced(allow_local_work=False)
+    assert (repo / "vllm" / "other.py").read_text() == "X = 1\n"
+    # local work: kept for tests, refused for a wheel
+    (repo / "vllm" / "other.py").write_text("X = 8\n")
+    assert hf.ensure_synced(allow_local_work=True) == repo
+    assert (repo / "vllm" / "other.py").read_text() == "X = 8\n"
+    with pytest.raises(ToolError, match="uncommitted changes"):
+        hf.ensure_synced(allow_local_work=False)

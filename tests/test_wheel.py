@@ -8,8 +8,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, git
+
 from hsfork import fork as hf
 from hsfork.common import load_pin
 from hsfork.fetch import fetch_file
@@ -46,7 +46,10 @@ def test_fork_wheel_matches_upstream(fork_wheel):
 # --- the checker itself, on synthetic wheels --------------------------------
 
 SO = b"\x7fELF compiled bytes"
-UP_META = "Metadata-Version: 2.4\nName: vllm\nVersion: {v}\nRequires-Dist: torch==2.11.0\n\nreadme\n"
+UP_META = (
+    "Metadata-Version: 2.4\nName: vllm\nVersion: {v}\n"
+    "Requires-Dist: torch==2.11.0\n\nreadme\n"
+)
 
 
 def _wheel(path: Path, version: str, files: dict[str, bytes], meta: str = UP_META):
@@ -97,7 +100,10 @@ def test_checker_accepts_a_right_wheel(stack, tmp_path):
         (lambda f: f.update({"vllm/other.py": b"X = 1\n"}), "deleted by the patches"),
         (lambda f: f.pop("vllm/__init__.py"), "upstream file missing"),
         (lambda f: f.update({"vllm/__init__.py": b"# edited\n"}), "no patch touches"),
-        (lambda f: f.update({"vllm/stray.py": b""}), "not in upstream nor in the patches"),
+        (
+            lambda f: f.update({"vllm/stray.py": b""}),
+            "not in upstream nor in the patches",
+        ),
     ],
 )
 def test_checker_reports_tampering(stack, tmp_path, tamper, expected):
@@ -112,7 +118,9 @@ def test_checker_reports_tampering(stack, tmp_path, tamper, expected):
 def test_checker_reports_version_and_dependencies(stack, tmp_path):
     repo, upstream, good, version = stack
     w = _wheel(tmp_path / "w.whl", "0.26.0", good)
-    assert any("version" in p for p in check_wheel(w, upstream, repo, "v0.26.0", version))
+    assert any(
+        "version" in p for p in check_wheel(w, upstream, repo, "v0.26.0", version)
+    )
     meta = UP_META.replace("torch==2.11.0", "torch==2.13.0")
     w = _wheel(tmp_path / "w2.whl", version, good, meta)
     assert any(

@@ -24,7 +24,6 @@ def test_fork_imports_with_our_label():
 
 def test_compiled_ops_run_on_cuda():
     import torch
-
     import vllm._custom_ops as ops  # loads vllm._C_stable_libtorch
 
     x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
