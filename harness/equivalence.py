@@ -1,0 +1,333 @@
+"""Run a slice of the equivalence matrix on a GPU host.
+
+    python -m harness.equivalence --slice v1-smoke --out reports/equivalence
+
+For each model and prompt set, one non-speculative greedy run is the
+reference (with top-2 log-probabilities); every speculative cell then decodes
+the same prompts and is compared margin-aware (``harness.compare``). vLLM runs
+in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); one engine per cell.
+A configuration vLLM rejects is recorded as ``rejected`` with its error text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .compare import TIE_MARGIN, Position, summarize
+from .drafter import LOG_ENV, SCRIPT_ENV
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str  # fixture kind: qwen3_5 | nemotron_h
+    drafter: str  # ngram | mtp | scripted:<schedule>
+    k: int
+    batch: int
+    runner: str = "v1"  # v1 | mrv2
+    cache_mode: str = "none"  # none | align
+    graphs: str = "eager"  # eager | full_and_piecewise
+    async_sched: bool = False
+    chunked: bool = False  # small max_num_batched_tokens
+    preempt: bool = False  # small KV cache
+    dtype: str = "float32"
+    max_tokens: int = 96
+    extra: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def key(self) -> dict:
+        return {
+            "model": self.model,
+            "runner": self.runner,
+            "cache_mode": self.cache_mode,
+            "drafter": self.drafter,
+            "k": self.k,
+            "batch": self.batch,
+            "graphs": self.graphs,
+            "async": self.async_sched,
+            "chunked": self.chunked,
+            "preempt": self.preempt,
+            "dtype": self.dtype,
+        }
+
+
+# ---------------------------------------------------------------------------
+# prompts
+
+
+def make_prompts(n: int, seed: int, vocab: int = 250, lo: int = 24, hi: int = 200):
+    """Heterogeneous lengths; each prompt repeats some of its own segments so
+    that prompt lookup finds n-grams. First 8 tokens unique per prompt."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        length = rng.randint(lo, hi)
+        segs = [[rng.randrange(vocab) for _ in range(rng.randint(6, 16))]]
+        toks = [i % vocab, (i // vocab) % vocab, 7, 7, 7, 7, 7, 7]
+        while len(toks) < length:
+            if rng.random() < 0.4:
+                toks += rng.choice(segs)
+            else:
+                s = [rng.randrange(vocab) for _ in range(rng.randint(6, 16))]
+                segs.append(s)
+                toks += s
+        prompts.append(toks[:length])
+    return prompts
+
+
+# ---------------------------------------------------------------------------
+# engines
+
+
+def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
+    kw: dict = {
+        "model": model_dir,
+        "dtype": cell.dtype,
+        "seed": 0,
+        "max_model_len": 2048,
+        "gpu_memory_utilization": 0.25,
+        "enforce_eager": cell.graphs == "eager",
+        "attention_backend": "TRITON_ATTN",
+        "disable_log_stats": False,
+        "max_num_seqs": max(cell.batch, 1),
+        "async_scheduling": cell.async_sched,
+    }
+    if cell.model == "qwen3_5":
+        kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
+        kw["language_model_only"] = True
+        kw["gdn_prefill_backend"] = "triton"
+    if cell.graphs != "eager":
+        kw["compilation_config"] = {"cudagraph_mode": cell.graphs.upper()}
+    if cell.cache_mode != "none":
+        kw["enable_prefix_caching"] = True
+        kw["mamba_cache_mode"] = cell.cache_mode
+    else:
+        kw["enable_prefix_caching"] = False
+    if cell.chunked:
+        kw["max_num_batched_tokens"] = 64
+        kw["enable_chunked_prefill"] = True
+    if cell.preempt:
+        kw["num_gpu_blocks_override"] = 24
+    if spec:
+        kw["speculative_config"] = spec
+    kw.update(cell.extra)
+    return kw
+
+
+def spec_config(cell: Cell) -> dict | None:
+    if cell.drafter == "none":
+        return None
+    if cell.drafter == "ngram":
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": cell.k,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": min(10, max(2, cell.k)),
+        }
+    if cell.drafter == "mtp":
+        return {"method": "mtp", "num_speculative_tokens": cell.k}
+    if cell.drafter.startswith("scripted:"):
+        return {
+            "method": "custom_class",
+            "model": "harness.drafter.ScriptedProposer",
+            "num_speculative_tokens": cell.k,
+        }
+    raise ValueError(cell.drafter)
+
+
+def _shutdown(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+    try:
+        import torch
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+        torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
+def generate(cell: Cell, model_dir: str, prompts, logprobs: int | None):
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    env = {}
+    if cell.runner == "mrv2":
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    else:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    os.environ.update(env)
+    llm = LLM(**engine_kwargs(cell, model_dir, spec_config(cell)))
+    try:
+        sp = SamplingParams(
+            temperature=0.0,
+            max_tokens=cell.max_tokens,
+            ignore_eos=True,
+            logprobs=logprobs,
+        )
+        outs = []
+        # the batch size of a cell is the number of requests in flight together
+        for i in range(0, len(prompts), cell.batch):
+            chunk = [
+                TokensPrompt(prompt_token_ids=p) for p in prompts[i : i + cell.batch]
+            ]
+            outs += llm.generate(chunk, sp, use_tqdm=False)
+        metrics = {}
+        try:
+            for m in llm.get_metrics():
+                if "spec_decode" in m.name and hasattr(m, "value"):
+                    metrics[m.name] = m.value
+        except Exception:
+            pass
+        return outs, metrics
+    finally:
+        _shutdown(llm)
+
+
+def reference_positions(outs) -> list[list[Position]]:
+    refs = []
+    for o in outs:
+        c = o.outputs[0]
+        row = []
+        for tok, lp in zip(c.token_ids, c.logprobs or []):
+            row.append(
+                Position.from_logprobs(tok, {t: v.logprob for t, v in lp.items()})
+            )
+        refs.append(row)
+    return refs
+
+
+def run_cells(
+    cells: list[Cell], workdir: Path, n_prompts: int, seed: int
+) -> list[dict]:
+    from .models import write_model
+
+    results = []
+    refs: dict[tuple, tuple] = {}
+    models: dict[str, str] = {}
+    for cell in cells:
+        t0 = time.time()
+        row = cell.key()
+        row.update(prompts=0, tokens=0, divergences=0, ties=0)
+        try:
+            if cell.model not in models:
+                models[cell.model] = str(
+                    write_model(cell.model, workdir / f"model-{cell.model}", seed=seed)
+                )
+            model_dir = models[cell.model]
+            n = max(n_prompts, cell.batch)
+            prompts = make_prompts(n, seed)
+            rkey = (cell.model, cell.dtype, n, cell.max_tokens)
+            if rkey not in refs:
+                ref_cell = replace(cell, drafter="none", k=0, batch=n, runner="v1",
+                                   cache_mode="none", graphs="eager",
+                                   async_sched=False, chunked=False, preempt=False)  # fmt: skip
+                outs, _ = generate(ref_cell, model_dir, prompts, logprobs=2)
+                refs[rkey] = (
+                    reference_positions(outs),
+                    [list(o.outputs[0].token_ids) for o in outs],
+                )
+            ref_pos, ref_tokens = refs[rkey]
+            if cell.drafter.startswith("scripted:"):
+                script = workdir / "script.json"
+                script.write_text(json.dumps({
+                    "schedule": cell.drafter.split(":", 1)[1],
+                    "seed": seed,
+                    "block_size": cell.extra.get("block_size", 16),
+                    "vocab_size": 256,
+                    "requests": [{"prompt": p, "reference": r}
+                                 for p, r in zip(prompts, ref_tokens)],
+                }))  # fmt: skip
+                os.environ[SCRIPT_ENV] = str(script)
+                log = workdir / "script-log.jsonl"
+                log.unlink(missing_ok=True)
+                os.environ[LOG_ENV] = str(log)
+            outs, metrics = generate(cell, model_dir, prompts, logprobs=None)
+            cand = [list(o.outputs[0].token_ids) for o in outs]
+            s = summarize(ref_pos, cand, TIE_MARGIN[cell.dtype])
+            row.update(
+                prompts=s.prompts,
+                tokens=s.tokens,
+                divergences=s.divergences,
+                ties=s.ties,
+                first_divergence=s.first_divergence,
+                status=s.status,
+                accept=metrics or None,
+            )
+            if cell.drafter.startswith("scripted:") and log.exists():
+                counts: dict[int, int] = {}
+                for line in log.read_text().splitlines():
+                    for _, _, _, nd in json.loads(line):
+                        counts[nd] = counts.get(nd, 0) + 1
+                row["drafts_per_step"] = {str(k): v for k, v in sorted(counts.items())}
+        except Exception as e:  # noqa: BLE001
+            text = "".join(traceback.format_exception_only(type(e), e)).strip()
+            rejected = isinstance(e, (ValueError, NotImplementedError)) or (
+                "not supported" in text.lower()
+            )
+            row.update(status="rejected" if rejected else "error", error=text[-2000:])
+            if not rejected:
+                row["traceback"] = traceback.format_exc()[-4000:]
+        row["wall_s"] = round(time.time() - t0, 1)
+        print(json.dumps({k: row[k] for k in ("model", "drafter", "k", "batch",
+              "runner", "status", "tokens", "divergences", "ties", "wall_s")}),
+              flush=True)  # fmt: skip
+        results.append(row)
+    return results
+
+
+# ---------------------------------------------------------------------------
+# slices
+
+
+def slice_cells(name: str) -> list[Cell]:
+    if name == "v1-smoke":
+        cells = []
+        for model in ("qwen3_5", "nemotron_h"):
+            for sched in ("accept_then_zero", "heterogeneous"):
+                for bs in (1, 8):
+                    cells.append(Cell(model, f"scripted:{sched}", 4, bs))
+            cells.append(Cell(model, "scripted:all_zero", 4, 8))
+            cells.append(Cell(model, "ngram", 5, 8))
+        return cells
+    raise ValueError(f"unknown slice {name}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--slice", default="v1-smoke")
+    ap.add_argument("--out", default="reports/equivalence")
+    ap.add_argument("--run", default=None)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", default=None, help="substring filter on cells")
+    a = ap.parse_args(argv)
+    cells = slice_cells(a.slice)
+    if a.only:
+        cells = [c for c in cells if a.only in json.dumps(c.key())]
+    with tempfile.TemporaryDirectory(prefix="hsfork-eq-") as tmp:
+        results = run_cells(cells, Path(tmp), a.prompts, a.seed)
+    from .report import write_report
+
+    run = a.run or f"{a.slice}"
+    paths = write_report(results, Path(a.out), run)
+    print(json.dumps({k: str(v) for k, v in paths.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Equivalence reports: a JSON list of cells, a markdown table, a PNG heatmap.
+
+A cell is one configuration of the matrix. Required keys (issue 3): model,
+runner, cache_mode, drafter, k, batch, graphs, async, status (ok | diverged |
+rejected | error), tokens, divergences, ties; optional: chunked, preempt,
+dtype, prompts, first_divergence, error, accept, wall_s.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+REQUIRED = (
+    "model",
+    "runner",
+    "cache_mode",
+    "drafter",
+    "k",
+    "batch",
+    "graphs",
+    "async",
+    "status",
+    "tokens",
+    "divergences",
+    "ties",
+)
+STATUSES = ("ok", "diverged", "rejected", "error")
+ROW_KEYS = ("model", "runner", "cache_mode", "graphs", "async", "chunked", "preempt")
+COL_KEYS = ("drafter", "k", "batch")
+
+
+def validate(cell: dict) -> dict:
+    missing = [k for k in REQUIRED if k not in cell]
+    if missing:
+        raise ValueError(f"cell lacks {missing}: {cell}")
+    if cell["status"] not in STATUSES:
+        raise ValueError(f"bad status {cell['status']!r}")
+    if cell["status"] == "diverged" and not cell["divergences"]:
+        raise ValueError("a diverged cell must count its divergences")
+    if cell["status"] == "ok" and cell["divergences"]:
+        raise ValueError("an ok cell cannot have divergences")
+    return cell
+
+
+def _label(cell: dict, keys: Iterable[str]) -> str:
+    parts = []
+    for k in keys:
+        v = cell.get(k)
+        if v is None or v is False:
+            continue
+        parts.append(
+            k if v is True else f"{v}" if k in ("model", "runner") else f"{k}={v}"
+        )
+    return " ".join(parts)
+
+
+def markdown(cells: list[dict], title: str) -> str:
+    head = (
+        "| model | runner | cache | drafter | k | batch | graphs | async | extra "
+        "| status | tokens | div | ties | first divergence / error |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for c in cells:
+        extra = " ".join(k for k in ("chunked", "preempt") if c.get(k)) + (
+            f" {c['dtype']}" if c.get("dtype") else ""
+        )
+        if c["status"] in ("rejected", "error"):
+            detail = (c.get("error") or "").replace("|", "/").replace("\n", " ")[:160]
+        elif c.get("first_divergence"):
+            d = c["first_divergence"]
+            margin = d.get("margin")
+            detail = f"prompt {d['prompt']} pos {d['position']} margin " + (
+                f"{margin:.3g}" if isinstance(margin, (int, float)) else "n/a"
+            )
+        else:
+            detail = ""
+        rows.append(
+            f"| {c['model']} | {c['runner']} | {c['cache_mode']} | {c['drafter']} "
+            f"| {c['k']} | {c['batch']} | {c['graphs']} | {c['async']} "
+            f"| {extra.strip()} | **{c['status']}** | {c['tokens']} "
+            f"| {c['divergences']} | {c['ties']} | {detail} |"
+        )
+    counts = {s: sum(c["status"] == s for c in cells) for s in STATUSES}
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    return (
+        f"# {title}\n\n{len(cells)} cells: {summary}\n\n"
+        + head
+        + "\n".join(rows)
+        + "\n"
+    )
+
+
+def heatmap(cells: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    rows = sorted({_label(c, ROW_KEYS) for c in cells})
+    cols = sorted({_label(c, COL_KEYS) for c in cells})
+    code = {"ok": 0, "diverged": 1, "rejected": 2, "error": 3}
+    grid = [[float("nan")] * len(cols) for _ in rows]
+    text = [[""] * len(cols) for _ in rows]
+    for c in cells:
+        r, k = rows.index(_label(c, ROW_KEYS)), cols.index(_label(c, COL_KEYS))
+        grid[r][k] = code[c["status"]]
+        text[r][k] = (
+            str(c["divergences"]) if c["status"] == "diverged" else c["status"][:3]
+        )
+    fig_w = max(6, 0.9 * len(cols) + 4)
+    fig_h = max(3, 0.45 * len(rows) + 2)
+    fig, ax = plt.subplots(figsize=(fig_w, fig_h))
+    cmap = ListedColormap(["#3a9d5d", "#d64541", "#b0b0b0", "#222222"])
+    ax.imshow(grid, cmap=cmap, vmin=0, vmax=3, aspect="auto")
+    for r in range(len(rows)):
+        for k in range(len(cols)):
+            if text[r][k]:
+                ax.text(k, r, text[r][k], ha="center", va="center", color="white",
+                        fontsize=8)  # fmt: skip
+    ax.set_xticks(range(len(cols)), cols, rotation=60, ha="right", fontsize=8)
+    ax.set_yticks(range(len(rows)), rows, fontsize=8)
+    ax.set_title(title + "  (green ok, red diverged: count, grey rejected)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(cells: list[dict], outdir: Path, run: str) -> dict[str, Path]:
+    for c in cells:
+        validate(c)
+    outdir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "json": outdir / f"{run}.json",
+        "md": outdir / f"{run}.md",
+        "png": outdir / f"{run}.png",
+    }
+    paths["json"].write_text(json.dumps(cells, indent=1) + "\n")
+    paths["md"].write_text(markdown(cells, f"Equivalence report: {run}"))
+    heatmap(cells, paths["png"], run)
+    return paths

@@ -1,0 +1,203 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The equivalence harness's own logic: margin classification, the scripted
+drafter's schedules and request matching, report building."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from harness.compare import Position, compare, summarize
+from harness.drafter import (
+    SCHEDULES,
+    Script,
+    ScriptedProposer,
+    StepContext,
+    drafts_for,
+)
+from harness.report import markdown, validate, write_report
+
+
+def _ref(tokens, gaps=None, second=None):
+    gaps = gaps or [5.0] * len(tokens)
+    return [
+        Position(t, (second[i] if second else (t + 1) % 256), g)
+        for i, (t, g) in enumerate(zip(tokens, gaps))
+    ]
+
+
+# --- margin-aware comparison ------------------------------------------------
+
+
+def test_match():
+    v = compare(_ref([1, 2, 3]), [1, 2, 3], 0.05)
+    assert (v.status, v.compared) == ("match", 3)
+
+
+def test_divergence_above_margin_is_a_bug():
+    v = compare(_ref([1, 2, 3], gaps=[5, 0.5, 5]), [1, 3, 9], 0.05)
+    assert (v.status, v.position, v.margin, v.expected, v.got) == (
+        "diverged", 1, 0.5, 2, 3,
+    )  # fmt: skip
+
+
+def test_divergence_below_margin_to_second_choice_is_a_tie():
+    v = compare(_ref([1, 2, 3], gaps=[5, 0.01, 5]), [1, 3, 0], 0.05)
+    assert (v.status, v.position) == ("tie", 1)
+
+
+def test_below_margin_but_not_the_second_choice_is_a_bug():
+    v = compare(_ref([1, 2, 3], gaps=[5, 0.01, 5]), [1, 77, 0], 0.05)
+    assert v.status == "diverged"
+
+
+def test_length_mismatch_is_a_bug():
+    assert compare(_ref([1, 2, 3]), [1, 2], 0.05).status == "diverged"
+    assert compare(_ref([1, 2]), [1, 2, 3], 0.05).status == "diverged"
+
+
+def test_position_from_logprobs():
+    p = Position.from_logprobs(5, {5: -0.1, 9: -2.1, 3: -4.0})
+    assert (p.token, p.second) == (5, 9)
+    assert p.gap == pytest.approx(2.0)
+    # greedy token not the argmax of what was returned (ties in the sampler)
+    p = Position.from_logprobs(9, {5: -0.1, 9: -0.1})
+    assert (p.second, p.gap) == (5, 0.0)
+
+
+def test_summary_counts_and_first_divergence():
+    refs = [_ref([1, 2]), _ref([3, 4], gaps=[0.01, 5]), _ref([5, 6], gaps=[5, 2])]
+    s = summarize(refs, [[1, 2], [4, 0], [5, 7]], 0.05)
+    assert (s.prompts, s.divergences, s.ties, s.status) == (3, 1, 1, "diverged")
+    assert s.first_divergence["prompt"] == 2 and s.first_divergence["position"] == 1
+    assert s.tokens == 2 + 1 + 2
+
+
+# --- scripted drafter ---------------------------------------------------------
+
+
+def _ctx(step=0, generated=10, length=40, k=4, row=0, block=16):
+    return StepContext(row, step, generated, length, k, block, 0)
+
+
+def test_schedules_shapes():
+    assert SCHEDULES["all_zero"](_ctx()) == (0, 0)
+    assert SCHEDULES["all_accept"](_ctx()) == (4, 4)
+    assert SCHEDULES["accept_then_zero"](_ctx(step=0)) == (4, 4)
+    assert SCHEDULES["accept_then_zero"](_ctx(step=1)) == (0, 0)
+    for step in range(50):
+        n, c = SCHEDULES["random"](_ctx(step=step))
+        assert 0 <= c <= n <= 4
+    # deterministic
+    assert [SCHEDULES["random"](_ctx(step=s)) for s in range(20)] == [
+        SCHEDULES["random"](_ctx(step=s)) for s in range(20)
+    ]
+    seen = {SCHEDULES["random"](_ctx(step=s)) for s in range(200)}
+    assert (0, 0) in seen and (4, 4) in seen and any(0 < c < n for n, c in seen)
+
+
+def test_boundary_schedule_lands_on_and_crosses_block_boundaries():
+    # length 40, block 16: 8 tokens to the boundary at 48
+    assert SCHEDULES["boundary"](_ctx(step=0, length=40, k=16)) == (8, 8)
+    assert SCHEDULES["boundary"](_ctx(step=1, length=40, k=16)) == (9, 9)
+    assert SCHEDULES["boundary"](_ctx(step=0, length=40, k=4)) == (4, 4)
+
+
+def test_heterogeneous_rows_differ():
+    rows = [SCHEDULES["heterogeneous"](_ctx(row=r, step=1)) for r in range(4)]
+    assert rows[1] == (0, 0) and rows[2] == (4, 4) and rows[3] == (0, 0)
+
+
+def test_drafts_follow_reference_then_go_wrong():
+    ref = list(range(100, 130))
+    ctx = _ctx(generated=9, k=4)  # the token just sampled is ref[9]
+    d = drafts_for(lambda c: (4, 2), ctx, ref, 256)
+    assert d[:2] == [ref[10], ref[11]]
+    assert d[2] != ref[12] and d[3] != ref[13]
+    assert drafts_for(lambda c: (4, 4), _ctx(generated=27), ref, 256) == [
+        ref[28],
+        ref[29],
+    ]
+
+
+def test_proposer_matches_requests_by_prompt(tmp_path, monkeypatch):
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    refs = [[50 + i for i in range(20)], [80 + i for i in range(20)]]
+    script = tmp_path / "s.json"
+    script.write_text(json.dumps({
+        "schedule": "all_accept", "vocab_size": 256,
+        "requests": [{"prompt": p, "reference": r} for p, r in zip(prompts, refs)],
+    }))  # fmt: skip
+    monkeypatch.setenv("HSFORK_SCRIPT", str(script))
+
+    class Spec:
+        num_speculative_tokens = 3
+
+    class Cfg:
+        speculative_config = Spec()
+
+    prop = ScriptedProposer(Cfg())
+    # batch: row 0 = second prompt + 2 generated, row 1 = first prompt + 1,
+    # row 2 = a partial prefill, row 3 = an unknown request
+    rows = [prompts[1] + refs[1][:2], prompts[0] + refs[0][:1], [1, 2], [9, 9, 9]]
+    width = max(map(len, rows))
+    token_ids = np.zeros((4, width), dtype=np.int64)
+    for i, r in enumerate(rows):
+        token_ids[i, : len(r)] = r
+    out = prop.propose(
+        [[refs[1][1]], [refs[0][0]], [], [9]],
+        np.array([len(r) for r in rows]),
+        token_ids,
+    )
+    assert out == [refs[1][2:5], refs[0][1:4], [], []]
+    assert prop.steps == {1: 1, 0: 1}
+
+
+def test_script_prefers_longest_prompt():
+    s = Script({"schedule": "all_zero", "vocab_size": 256, "requests": [
+        {"prompt": list(range(10)), "reference": []},
+        {"prompt": list(range(12)), "reference": []},
+    ]})  # fmt: skip
+    assert s.find(list(range(12)) + [99]) == 1
+    assert s.find(list(range(10)) + [99]) == 0
+    assert s.find([5] * 12) is None
+
+
+# --- reports -----------------------------------------------------------------
+
+
+def _cell(**kw):
+    base = dict(model="qwen3_5", runner="v1", cache_mode="none", drafter="ngram",
+                k=5, batch=8, graphs="eager", status="ok", tokens=100,
+                divergences=0, ties=0)  # fmt: skip
+    base["async"] = False
+    base.update(kw)
+    return base
+
+
+def test_report_validation():
+    validate(_cell())
+    with pytest.raises(ValueError):
+        validate(_cell(status="ok", divergences=2))
+    with pytest.raises(ValueError):
+        validate(_cell(status="diverged", divergences=0))
+    with pytest.raises(ValueError):
+        validate({"model": "x"})
+
+
+def test_report_files(tmp_path):
+    cells = [
+        _cell(),
+        _cell(drafter="scripted:accept_then_zero", status="diverged", divergences=3,
+              first_divergence={"prompt": 1, "position": 5, "margin": 2.5}),
+        _cell(runner="mrv2", status="rejected", error="ngram not supported | x"),
+    ]  # fmt: skip
+    paths = write_report(cells, tmp_path, "unit")
+    assert json.loads(paths["json"].read_text()) == cells
+    md = paths["md"].read_text()
+    assert "3 cells: 1 ok, 1 diverged, 1 rejected" in md
+    assert "prompt 1 pos 5 margin 2.5" in md and "ngram not supported / x" in md
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert markdown([], "empty").startswith("# empty")
