@@ -1,15 +1,23 @@
 """Margin-aware comparison of speculative output against the greedy reference.
 
-A speculative run must reproduce the reference's greedy tokens exactly. Where
-it does not, the first divergence decides the request's verdict:
+A speculative run must reproduce the reference's greedy tokens exactly. A
+difference at a position is
 
-- ``tie``: the reference's top-1/top-2 log-probability gap at that position is
+- a ``tie`` when the reference's top-1/top-2 log-probability gap there is
   below ``tie_margin`` (numerical noise of the dtype can flip the argmax) and
   the speculative token is the reference's second choice;
-- ``diverged``: any other difference, a bug.
+- a ``divergence`` (a bug) otherwise.
 
-Tokens after the first divergence are not compared: from there on the two
-runs condition on different prefixes.
+Two ways to get the reference at each position:
+
+- ``compare``: the reference's own greedy generation (with top-2 logprobs).
+  Only the prefix up to the first difference can be judged: after it the two
+  runs condition on different tokens;
+- ``verify``: the reference model teacher-forced on the candidate's own
+  tokens (one non-speculative prefill of prompt + candidate with
+  ``prompt_logprobs``). Every position is judged, so a tie does not end the
+  comparison and a corrupted recurrent state shows as divergences wherever it
+  changes a choice. The equivalence runs use this.
 """
 
 from __future__ import annotations
@@ -29,6 +37,14 @@ class Position:
     token: int
     second: int | None
     gap: float  # logprob(top1) - logprob(top2); inf if unknown
+
+    @classmethod
+    def top(cls, logprobs: dict[int, float]) -> Position:
+        """The argmax of a (top-k plus actual token) logprob dict."""
+        ranked = sorted(logprobs.items(), key=lambda kv: (-kv[1], kv[0]))
+        if len(ranked) < 2:
+            return cls(ranked[0][0], None, float("inf"))
+        return cls(ranked[0][0], ranked[1][0], ranked[0][1] - ranked[1][1])
 
     @classmethod
     def from_logprobs(cls, token: int, logprobs: dict[int, float]) -> Position:
@@ -87,6 +103,50 @@ def compare(
     return Verdict("match", n)
 
 
+@dataclass(frozen=True)
+class Verification:
+    checked: int
+    divergences: int
+    ties: int
+    first: dict | None  # first divergence: position, margin, expected, got
+
+    @property
+    def status(self) -> str:
+        return "diverged" if self.divergences else ("tie" if self.ties else "match")
+
+
+def verify(
+    reference: Sequence[Position], candidate: Sequence[int], tie_margin: float
+) -> Verification:
+    """Judge every candidate token against the teacher-forced reference."""
+    if len(reference) != len(candidate):
+        raise ValueError(f"{len(reference)} positions for {len(candidate)} tokens")
+    div = ties = 0
+    first = None
+    for i, (ref, tok) in enumerate(zip(reference, candidate, strict=True)):
+        if tok == ref.token:
+            continue
+        if ref.gap < tie_margin and tok == ref.second:
+            ties += 1
+            continue
+        div += 1
+        if first is None:
+            first = {"position": i, "margin": ref.gap, "expected": ref.token,
+                     "got": tok}  # fmt: skip
+    return Verification(len(candidate), div, ties, first)
+
+
+def noise(generated: Sequence[Position], forced: Sequence[Position]) -> float:
+    """Largest top-1/top-2 gap difference between the reference's generation
+    and its teacher-forced prefill on the same tokens (kernel-path noise)."""
+    worst = 0.0
+    for g, f in zip(generated, forced, strict=False):
+        same = g.token == f.token and g.second == f.second
+        if same and g.gap != float("inf") and f.gap != float("inf"):
+            worst = max(worst, abs(g.gap - f.gap))
+    return worst
+
+
 @dataclass
 class CellSummary:
     prompts: int = 0
@@ -94,6 +154,14 @@ class CellSummary:
     divergences: int = 0
     ties: int = 0
     first_divergence: dict | None = None
+
+    def add_verification(self, prompt_index: int, v: Verification) -> None:
+        self.prompts += 1
+        self.tokens += v.checked
+        self.ties += v.ties
+        self.divergences += v.divergences
+        if v.first is not None and self.first_divergence is None:
+            self.first_divergence = {"prompt": prompt_index, **v.first}
 
     def add(self, prompt_index: int, verdict: Verdict) -> None:
         self.prompts += 1
@@ -124,6 +192,6 @@ def summarize(
     if len(reference) != len(candidates):
         raise ValueError(f"{len(reference)} references, {len(candidates)} candidates")
     summary = CellSummary()
-    for i, (ref, cand) in enumerate(zip(reference, candidates)):
+    for i, (ref, cand) in enumerate(zip(reference, candidates, strict=True)):
         summary.add(i, compare(ref, cand, tie_margin))
     return summary

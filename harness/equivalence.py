@@ -12,6 +12,7 @@ A configuration vLLM rejects is recorded as ``rejected`` with its error text.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -19,10 +20,10 @@ import random
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .compare import TIE_MARGIN, Position, summarize
+from .compare import TIE_MARGIN, CellSummary, Position, noise, verify
 from .drafter import LOG_ENV, SCRIPT_ENV
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -41,7 +42,7 @@ class Cell:
     async_sched: bool = False
     chunked: bool = False  # small max_num_batched_tokens
     preempt: bool = False  # small KV cache
-    dtype: str = "float32"
+    dtype: str = "bfloat16"
     max_tokens: int = 96
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
@@ -146,10 +147,8 @@ def spec_config(cell: Cell) -> dict | None:
 
 
 def _shutdown(llm) -> None:
-    try:
+    with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
     del llm
     gc.collect()
     try:
@@ -162,17 +161,19 @@ def _shutdown(llm) -> None:
         pass
 
 
+def _engine(cell: Cell, model_dir: str):
+    from vllm import LLM
+
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if cell.runner == "mrv2" else "0"
+    return LLM(**engine_kwargs(cell, model_dir, spec_config(cell)))
+
+
 def generate(cell: Cell, model_dir: str, prompts, logprobs: int | None):
-    from vllm import LLM, SamplingParams
+    """Greedy outputs of ``prompts``, ``cell.batch`` requests in flight."""
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    env = {}
-    if cell.runner == "mrv2":
-        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-    else:
-        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    os.environ.update(env)
-    llm = LLM(**engine_kwargs(cell, model_dir, spec_config(cell)))
+    llm = _engine(cell, model_dir)
     try:
         sp = SamplingParams(
             temperature=0.0,
@@ -181,49 +182,112 @@ def generate(cell: Cell, model_dir: str, prompts, logprobs: int | None):
             logprobs=logprobs,
         )
         outs = []
-        # the batch size of a cell is the number of requests in flight together
         for i in range(0, len(prompts), cell.batch):
-            chunk = [
-                TokensPrompt(prompt_token_ids=p) for p in prompts[i : i + cell.batch]
-            ]
-            outs += llm.generate(chunk, sp, use_tqdm=False)
+            chunk = prompts[i : i + cell.batch]
+            outs += llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in chunk], sp, use_tqdm=False
+            )
         metrics = {}
         try:
             for m in llm.get_metrics():
                 if "spec_decode" in m.name and hasattr(m, "value"):
                     metrics[m.name] = m.value
-        except Exception:
+        except Exception:  # noqa: BLE001 - metrics are informative only
             pass
         return outs, metrics
     finally:
         _shutdown(llm)
 
 
+def teacher_forced(model: str, dtype: str, model_dir: str, seqs):
+    """Reference top-2 at every continuation position of each
+    ``(prompt, continuation)``: one non-speculative prefill with
+    ``prompt_logprobs=2``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cell = Cell(model, "none", 0, len(seqs), dtype=dtype)
+    llm = _engine(cell, model_dir)
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p) + list(c)) for p, c in seqs],
+            sp,
+            use_tqdm=False,
+        )
+    finally:
+        _shutdown(llm)
+    result = []
+    for (p, c), o in zip(seqs, outs, strict=True):
+        lps = o.prompt_logprobs[len(p) : len(p) + len(c)]
+        result.append(
+            [Position.top({t: v.logprob for t, v in lp.items()}) for lp in lps]
+        )
+    return result
+
+
 def reference_positions(outs) -> list[list[Position]]:
     refs = []
     for o in outs:
         c = o.outputs[0]
-        row = []
-        for tok, lp in zip(c.token_ids, c.logprobs or []):
-            row.append(
+        refs.append(
+            [
                 Position.from_logprobs(tok, {t: v.logprob for t, v in lp.items()})
-            )
-        refs.append(row)
+                for tok, lp in zip(c.token_ids, c.logprobs or [], strict=True)
+            ]
+        )
     return refs
+
+
+def _scripted_env(cell: Cell, workdir: Path, seed: int, prompts, ref_tokens) -> Path:
+    script = workdir / "script.json"
+    requests = [
+        {"prompt": p, "reference": r} for p, r in zip(prompts, ref_tokens, strict=True)
+    ]
+    script.write_text(
+        json.dumps(
+            {
+                "schedule": cell.drafter.split(":", 1)[1],
+                "seed": seed,
+                "block_size": cell.extra.get("block_size", 16),
+                "vocab_size": 256,
+                "requests": requests,
+            }
+        )
+    )
+    os.environ[SCRIPT_ENV] = str(script)
+    log = workdir / "script-log.jsonl"
+    log.unlink(missing_ok=True)
+    os.environ[LOG_ENV] = str(log)
+    return log
+
+
+def _error_row(row: dict, e: BaseException) -> None:
+    text = "".join(traceback.format_exception_only(type(e), e)).strip()
+    rejected = isinstance(e, (ValueError, NotImplementedError)) or (
+        "not supported" in text.lower()
+    )
+    row.update(status="rejected" if rejected else "error", error=text[-2000:])
+    if not rejected:
+        row["traceback"] = traceback.format_exc()[-4000:]
 
 
 def run_cells(
     cells: list[Cell], workdir: Path, n_prompts: int, seed: int
 ) -> list[dict]:
+    """Reference per (model, dtype), every cell's candidates, then one
+    teacher-forced verification per (model, dtype) for all of them."""
     from .models import write_model
 
-    results = []
+    rows: list[dict] = []
+    pending: dict[tuple, list] = {}  # (model, dtype) -> [(row, prompts, cands)]
     refs: dict[tuple, tuple] = {}
     models: dict[str, str] = {}
     for cell in cells:
         t0 = time.time()
         row = cell.key()
         row.update(prompts=0, tokens=0, divergences=0, ties=0)
+        rows.append(row)
         try:
             if cell.model not in models:
                 models[cell.model] = str(
@@ -234,32 +298,62 @@ def run_cells(
             prompts = make_prompts(n, seed)
             rkey = (cell.model, cell.dtype, n, cell.max_tokens)
             if rkey not in refs:
-                ref_cell = replace(cell, drafter="none", k=0, batch=n, runner="v1",
-                                   cache_mode="none", graphs="eager",
-                                   async_sched=False, chunked=False, preempt=False)  # fmt: skip
+                ref_cell = Cell(cell.model, "none", 0, n, dtype=cell.dtype,
+                                max_tokens=cell.max_tokens)  # fmt: skip
                 outs, _ = generate(ref_cell, model_dir, prompts, logprobs=2)
                 refs[rkey] = (
                     reference_positions(outs),
                     [list(o.outputs[0].token_ids) for o in outs],
                 )
-            ref_pos, ref_tokens = refs[rkey]
+            _, ref_tokens = refs[rkey]
+            log = None
             if cell.drafter.startswith("scripted:"):
-                script = workdir / "script.json"
-                script.write_text(json.dumps({
-                    "schedule": cell.drafter.split(":", 1)[1],
-                    "seed": seed,
-                    "block_size": cell.extra.get("block_size", 16),
-                    "vocab_size": 256,
-                    "requests": [{"prompt": p, "reference": r}
-                                 for p, r in zip(prompts, ref_tokens)],
-                }))  # fmt: skip
-                os.environ[SCRIPT_ENV] = str(script)
-                log = workdir / "script-log.jsonl"
-                log.unlink(missing_ok=True)
-                os.environ[LOG_ENV] = str(log)
+                log = _scripted_env(cell, workdir, seed, prompts, ref_tokens)
             outs, metrics = generate(cell, model_dir, prompts, logprobs=None)
-            cand = [list(o.outputs[0].token_ids) for o in outs]
-            s = summarize(ref_pos, cand, TIE_MARGIN[cell.dtype])
+            cands = [list(o.outputs[0].token_ids) for o in outs]
+            row["accept"] = metrics or None
+            if log is not None and log.exists():
+                counts: dict[int, int] = {}
+                for line in log.read_text().splitlines():
+                    for _, _, _, nd in json.loads(line):
+                        counts[nd] = counts.get(nd, 0) + 1
+                row["drafts_per_step"] = {str(k): v for k, v in sorted(counts.items())}
+            pending.setdefault((cell.model, cell.dtype), []).append(
+                (row, prompts, cands, rkey)
+            )
+            row["status"] = "pending"
+        except Exception as e:  # noqa: BLE001
+            _error_row(row, e)
+        row["wall_s"] = round(time.time() - t0, 1)
+
+    # verification: the reference teacher-forced on every candidate, and on
+    # its own tokens to measure the kernel-path noise
+    for (model, dtype), items in pending.items():
+        seqs, owners = [], []
+        for rkey, (_ref_pos, ref_tokens) in refs.items():
+            if rkey[:2] == (model, dtype):
+                prompts = make_prompts(rkey[2], seed)
+                seqs += list(zip(prompts, ref_tokens, strict=True))
+                owners += [("ref", rkey, i) for i in range(len(prompts))]
+        for j, (_, prompts, cands, _) in enumerate(items):
+            seqs += list(zip(prompts, cands, strict=True))
+            owners += [("cell", j, i) for i in range(len(prompts))]
+        try:
+            forced = teacher_forced(model, dtype, models[model], seqs)
+        except Exception as e:  # noqa: BLE001
+            for row, *_ in items:
+                _error_row(row, e)
+            continue
+        worst = 0.0
+        for (kind, key, i), pos in zip(owners, forced, strict=True):
+            if kind == "ref":
+                worst = max(worst, noise(refs[key][0][i], pos))
+        margin = max(TIE_MARGIN[dtype], 2 * worst)
+        summaries = [CellSummary() for _ in items]
+        for (kind, key, i), pos, (_, cand) in zip(owners, forced, seqs, strict=True):
+            if kind == "cell":
+                summaries[key].add_verification(i, verify(pos, cand, margin))
+        for (row, *_), s in zip(items, summaries, strict=True):
             row.update(
                 prompts=s.prompts,
                 tokens=s.tokens,
@@ -267,28 +361,14 @@ def run_cells(
                 ties=s.ties,
                 first_divergence=s.first_divergence,
                 status=s.status,
-                accept=metrics or None,
+                tie_margin=round(margin, 4),
+                noise=round(worst, 4),
             )
-            if cell.drafter.startswith("scripted:") and log.exists():
-                counts: dict[int, int] = {}
-                for line in log.read_text().splitlines():
-                    for _, _, _, nd in json.loads(line):
-                        counts[nd] = counts.get(nd, 0) + 1
-                row["drafts_per_step"] = {str(k): v for k, v in sorted(counts.items())}
-        except Exception as e:  # noqa: BLE001
-            text = "".join(traceback.format_exception_only(type(e), e)).strip()
-            rejected = isinstance(e, (ValueError, NotImplementedError)) or (
-                "not supported" in text.lower()
-            )
-            row.update(status="rejected" if rejected else "error", error=text[-2000:])
-            if not rejected:
-                row["traceback"] = traceback.format_exc()[-4000:]
-        row["wall_s"] = round(time.time() - t0, 1)
-        print(json.dumps({k: row[k] for k in ("model", "drafter", "k", "batch",
-              "runner", "status", "tokens", "divergences", "ties", "wall_s")}),
-              flush=True)  # fmt: skip
-        results.append(row)
-    return results
+    for row in rows:
+        print(json.dumps({k: row.get(k) for k in ("model", "drafter", "k", "batch",
+              "runner", "status", "tokens", "divergences", "ties", "tie_margin",
+              "wall_s")}), flush=True)  # fmt: skip
+    return rows
 
 
 # ---------------------------------------------------------------------------

@@ -124,8 +124,7 @@ def heatmap(cells: list[dict], path: Path, title: str) -> None:
     ax.set_xticks(range(len(cols)), cols, rotation=60, ha="right", fontsize=8)
     ax.set_yticks(range(len(rows)), rows, fontsize=8)
     ax.set_title(title + "  (green ok, red diverged: count, grey rejected)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from harness.compare import Position, compare, summarize
+from harness.compare import Position, compare, noise, summarize, verify
 from harness.drafter import (
     SCHEDULES,
     Script,
@@ -24,7 +24,7 @@ def _ref(tokens, gaps=None, second=None):
     gaps = gaps or [5.0] * len(tokens)
     return [
         Position(t, (second[i] if second else (t + 1) % 256), g)
-        for i, (t, g) in enumerate(zip(tokens, gaps))
+        for i, (t, g) in enumerate(zip(tokens, gaps, strict=False))
     ]
 
 
@@ -128,7 +128,8 @@ def test_proposer_matches_requests_by_prompt(tmp_path, monkeypatch):
     script = tmp_path / "s.json"
     script.write_text(json.dumps({
         "schedule": "all_accept", "vocab_size": 256,
-        "requests": [{"prompt": p, "reference": r} for p, r in zip(prompts, refs)],
+        "requests": [{"prompt": p, "reference": r}
+                     for p, r in zip(prompts, refs, strict=True)],
     }))  # fmt: skip
     monkeypatch.setenv("HSFORK_SCRIPT", str(script))
 
@@ -201,3 +202,89 @@ def test_report_files(tmp_path):
     assert "prompt 1 pos 5 margin 2.5" in md and "ngram not supported / x" in md
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert markdown([], "empty").startswith("# empty")
+
+
+# --- teacher-forced verification ---------------------------------------------
+
+
+def test_verify_judges_every_position():
+    ref = [Position(5, 6, 3.0), Position(7, 8, 0.01), Position(9, 1, 3.0),
+           Position(2, 3, 3.0)]  # fmt: skip
+    v = verify(ref, [5, 8, 4, 2], 0.05)
+    assert (v.checked, v.divergences, v.ties, v.status) == (4, 1, 1, "diverged")
+    assert v.first == {"position": 2, "margin": 3.0, "expected": 9, "got": 4}
+    assert verify(ref, [5, 8, 9, 2], 0.05).status == "tie"
+    assert verify(ref, [5, 7, 9, 2], 0.05).status == "match"
+    with pytest.raises(ValueError):
+        verify(ref, [5], 0.05)
+
+
+def test_top_and_noise():
+    p = Position.top({3: -0.5, 4: -0.2, 9: -3.0})
+    assert (p.token, p.second) == (4, 3) and p.gap == pytest.approx(0.3)
+    gen = [Position(1, 2, 1.0), Position(3, 4, 2.0), Position(5, 6, 1.0)]
+    forced = [Position(1, 2, 1.1), Position(3, 4, 1.75), Position(6, 5, 0.1)]
+    assert noise(gen, forced) == pytest.approx(0.25)
+
+
+def test_run_cells_orchestration_with_a_fake_engine(tmp_path, monkeypatch):
+    """Reference, cells and verification wired together: a fake 'model'
+    whose greedy choice is a function of the previous token; a 'buggy' cell
+    corrupts one token of one request, a correct cell changes nothing."""
+    import harness.equivalence as eq
+
+    def nxt(prev):
+        return (prev * 7 + 3) % 250
+
+    class Out:
+        def __init__(self, toks, lps=None, plps=None):
+            class C:
+                pass
+
+            self.outputs = [C()]
+            self.outputs[0].token_ids = toks
+            self.outputs[0].logprobs = lps
+            self.prompt_logprobs = plps
+
+    class LP:
+        def __init__(self, v):
+            self.logprob = v
+
+    def fake_generate(cell, model_dir, prompts, logprobs):
+        outs = []
+        for j, p in enumerate(prompts):
+            toks, prev = [], p[-1]
+            for _ in range(cell.max_tokens):
+                prev = nxt(prev)
+                toks.append(prev)
+            if cell.drafter == "scripted:all_accept" and j == 1:
+                toks[5] = (toks[5] + 1) % 250  # the "bug"
+            lps = [{t: LP(-0.1), (t + 1) % 250: LP(-3.0)} for t in toks]
+            outs.append(Out(toks, lps if logprobs else None))
+        return outs, {"vllm:spec_decode_num_drafts": 1}
+
+    def fake_forced(model, dtype, model_dir, seqs):
+        res = []
+        for p, c in seqs:
+            full = list(p) + list(c)
+            res.append([
+                Position(nxt(full[len(p) + i - 1]), 0, 3.0) for i in range(len(c))
+            ])  # fmt: skip
+        return res
+
+    monkeypatch.setattr(eq, "generate", fake_generate)
+    monkeypatch.setattr(eq, "teacher_forced", fake_forced)
+    monkeypatch.setattr(
+        "harness.models.write_model", lambda kind, out, seed=0: str(out)
+    )
+    cells = [
+        eq.Cell("qwen3_5", "scripted:all_zero", 4, 4, max_tokens=12),
+        eq.Cell("qwen3_5", "scripted:all_accept", 4, 4, max_tokens=12),
+    ]
+    rows = eq.run_cells(cells, tmp_path, n_prompts=4, seed=0)
+    assert [r["status"] for r in rows] == ["ok", "diverged"]
+    assert rows[0]["tokens"] == 48 and rows[0]["divergences"] == 0
+    # the corrupted token, and the next one (its context changed)
+    assert rows[1]["first_divergence"]["prompt"] == 1
+    assert rows[1]["first_divergence"]["position"] == 5
+    assert rows[1]["divergences"] == 2
