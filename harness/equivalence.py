@@ -382,8 +382,10 @@ def slice_cells(name: str) -> list[Cell]:
             for sched in ("accept_then_zero", "heterogeneous"):
                 for bs in (1, 8):
                     cells.append(Cell(model, f"scripted:{sched}", 4, bs))
-            cells.append(Cell(model, "scripted:all_zero", 4, 8))
+            for sched in ("random", "all_accept", "all_zero"):
+                cells.append(Cell(model, f"scripted:{sched}", 4, 8))
             cells.append(Cell(model, "ngram", 5, 8))
+            cells.append(Cell(model, "ngram", 64, 8))
         return cells
     raise ValueError(f"unknown slice {name}")
 
