@@ -23,7 +23,7 @@ Two ways to get the reference at each position:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 # Default tie margins (nats), by dtype: bf16 logits carry ~1e-2 relative
 # noise through a forward pass; fp32 ~1e-6.
@@ -109,6 +109,8 @@ class Verification:
     divergences: int
     ties: int
     first: dict | None  # first divergence: position, margin, expected, got
+    max_margin: float | None = None  # largest reference gap among divergences
+    margins: tuple[float, ...] = ()  # reference gap at every divergence
 
     @property
     def status(self) -> str:
@@ -123,6 +125,8 @@ def verify(
         raise ValueError(f"{len(reference)} positions for {len(candidate)} tokens")
     div = ties = 0
     first = None
+    worst: float | None = None
+    margins: list[float] = []
     for i, (ref, tok) in enumerate(zip(reference, candidate, strict=True)):
         if tok == ref.token:
             continue
@@ -130,10 +134,12 @@ def verify(
             ties += 1
             continue
         div += 1
+        worst = ref.gap if worst is None else max(worst, ref.gap)
+        margins.append(ref.gap)
         if first is None:
             first = {"position": i, "margin": ref.gap, "expected": ref.token,
                      "got": tok}  # fmt: skip
-    return Verification(len(candidate), div, ties, first)
+    return Verification(len(candidate), div, ties, first, worst, tuple(margins))
 
 
 def noise(generated: Sequence[Position], forced: Sequence[Position]) -> float:
@@ -154,12 +160,17 @@ class CellSummary:
     divergences: int = 0
     ties: int = 0
     first_divergence: dict | None = None
+    max_margin: float | None = None
+    margins: list[float] = field(default_factory=list)
 
     def add_verification(self, prompt_index: int, v: Verification) -> None:
         self.prompts += 1
         self.tokens += v.checked
         self.ties += v.ties
         self.divergences += v.divergences
+        if v.max_margin is not None:
+            self.max_margin = max(self.max_margin or 0.0, v.max_margin)
+        self.margins += v.margins
         if v.first is not None and self.first_divergence is None:
             self.first_divergence = {"prompt": prompt_index, **v.first}
 

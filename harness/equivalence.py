@@ -360,6 +360,8 @@ def run_cells(
                 divergences=s.divergences,
                 ties=s.ties,
                 first_divergence=s.first_divergence,
+                max_margin=s.max_margin,
+                divergence_margins=sorted(round(m, 4) for m in s.margins)[-64:],
                 status=s.status,
                 tie_margin=round(margin, 4),
                 noise=round(worst, 4),

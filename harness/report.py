@@ -75,6 +75,10 @@ def markdown(cells: list[dict], title: str) -> str:
             detail = f"prompt {d['prompt']} pos {d['position']} margin " + (
                 f"{margin:.3g}" if isinstance(margin, (int, float)) else "n/a"
             )
+            if isinstance(c.get("max_margin"), (int, float)):
+                detail += f"; largest {c['max_margin']:.3g}"
+            if isinstance(c.get("tie_margin"), (int, float)):
+                detail += f" (tie < {c['tie_margin']:.3g})"
         else:
             detail = ""
         rows.append(

@@ -288,3 +288,10 @@ def test_run_cells_orchestration_with_a_fake_engine(tmp_path, monkeypatch):
     assert rows[1]["first_divergence"]["prompt"] == 1
     assert rows[1]["first_divergence"]["position"] == 5
     assert rows[1]["divergences"] == 2
+
+
+def test_verify_reports_largest_divergence_margin():
+    ref = [Position(1, 2, 0.3), Position(3, 4, 4.0), Position(5, 6, 1.0)]
+    v = verify(ref, [2, 9, 7], 0.25)
+    assert v.divergences == 3 and v.max_margin == 4.0
+    assert verify(ref, [1, 3, 5], 0.25).max_margin is None
