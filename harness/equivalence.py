@@ -389,6 +389,15 @@ def slice_cells(name: str) -> list[Cell]:
             cells.append(Cell(model, "ngram", 5, 8))
             cells.append(Cell(model, "ngram", 64, 8))
         return cells
+    if name == "v1-chunked":
+        # prefills and decodes share steps: new prompts are admitted in chunks
+        # of 64 tokens while earlier ones decode
+        cells = []
+        for model in ("qwen3_5", "nemotron_h"):
+            for drafter, k in (("scripted:random", 4), ("scripted:heterogeneous", 4),
+                               ("ngram", 5)):  # fmt: skip
+                cells.append(Cell(model, drafter, k, 8, chunked=True))
+        return cells
     raise ValueError(f"unknown slice {name}")
 
 
