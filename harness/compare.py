@@ -37,14 +37,20 @@ class Position:
     token: int
     second: int | None
     gap: float  # logprob(top1) - logprob(top2); inf if unknown
+    # teacher-forced positions: logprob(top1) - logprob(candidate token)
+    cand_gap: float | None = None
 
     @classmethod
-    def top(cls, logprobs: dict[int, float]) -> Position:
-        """The argmax of a (top-k plus actual token) logprob dict."""
+    def top(cls, logprobs: dict[int, float], candidate: int | None = None) -> Position:
+        """The argmax of a (top-k plus actual token) logprob dict; with the
+        candidate token, also how far below the top the candidate is."""
         ranked = sorted(logprobs.items(), key=lambda kv: (-kv[1], kv[0]))
+        cand_gap = None
+        if candidate is not None and candidate in logprobs:
+            cand_gap = ranked[0][1] - logprobs[candidate]
         if len(ranked) < 2:
-            return cls(ranked[0][0], None, float("inf"))
-        return cls(ranked[0][0], ranked[1][0], ranked[0][1] - ranked[1][1])
+            return cls(ranked[0][0], None, float("inf"), cand_gap)
+        return cls(ranked[0][0], ranked[1][0], ranked[0][1] - ranked[1][1], cand_gap)
 
     @classmethod
     def from_logprobs(cls, token: int, logprobs: dict[int, float]) -> Position:
@@ -130,14 +136,22 @@ def verify(
     for i, (ref, tok) in enumerate(zip(reference, candidate, strict=True)):
         if tok == ref.token:
             continue
-        if ref.gap < tie_margin and tok == ref.second:
+        if ref.cand_gap is not None:
+            # the candidate's own reference logprob is known: it is a tie when
+            # it is within the noise of the top choice (also for >2-way ties)
+            margin = ref.cand_gap
+            tie = margin < tie_margin
+        else:
+            margin = ref.gap
+            tie = ref.gap < tie_margin and tok == ref.second
+        if tie:
             ties += 1
             continue
         div += 1
-        worst = ref.gap if worst is None else max(worst, ref.gap)
-        margins.append(ref.gap)
+        worst = margin if worst is None else max(worst, margin)
+        margins.append(margin)
         if first is None:
-            first = {"position": i, "margin": ref.gap, "expected": ref.token,
+            first = {"position": i, "margin": margin, "expected": ref.token,
                      "got": tok}  # fmt: skip
     return Verification(len(candidate), div, ties, first, worst, tuple(margins))
 

@@ -221,7 +221,10 @@ def teacher_forced(model: str, dtype: str, model_dir: str, seqs):
     for (p, c), o in zip(seqs, outs, strict=True):
         lps = o.prompt_logprobs[len(p) : len(p) + len(c)]
         result.append(
-            [Position.top({t: v.logprob for t, v in lp.items()}) for lp in lps]
+            [
+                Position.top({t: v.logprob for t, v in lp.items()}, candidate=tok)
+                for lp, tok in zip(lps, c, strict=True)
+            ]
         )
     return result
 

@@ -295,3 +295,15 @@ def test_verify_reports_largest_divergence_margin():
     v = verify(ref, [2, 9, 7], 0.25)
     assert v.divergences == 3 and v.max_margin == 4.0
     assert verify(ref, [1, 3, 5], 0.25).max_margin is None
+
+
+def test_verify_uses_the_candidates_own_logprob_when_known():
+    # a three-way exact tie: the candidate is not "the second choice" but is
+    # as likely as the top: a tie, not a bug
+    p = Position.top({77: -1.0, 152: -1.0, 89: -1.0}, candidate=89)
+    assert p.cand_gap == 0.0
+    assert verify([p], [89], 0.25).status == "tie"
+    # far below the top: a divergence whose margin is the candidate's deficit
+    p = Position.top({5: -0.1, 6: -2.0, 9: -6.1}, candidate=9)
+    v = verify([p], [9], 0.25)
+    assert v.status == "diverged" and v.first["margin"] == pytest.approx(6.0)
