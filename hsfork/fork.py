@@ -244,6 +244,7 @@ def apply_series(repo: Path, patches: list[Path]) -> None:
             "am",
             "-q",
             "--keep-cr",
+            "--keep-non-patch",  # keep "[Bugfix]"-style subject tags
             "--committer-date-is-author-date",
             str(patch),
             check=False,

@@ -45,15 +45,19 @@ def test_sync_imports_sdist_tags_and_stays_clean(synth):
 def test_sync_then_export_is_byte_identical(synth):
     repo = hf.sync()
     _commit_change(repo, "vllm/core.py", "LINE_0 = 'patched'\n", "Fix core\n\nWhy.")
-    _commit_change(repo, "vllm/new.py", "Y = 2\n", "Add new module")
+    _commit_change(repo, "vllm/new.py", "Y = 2\n", "[Bugfix][Core] Add new module")
     hf.export()
     first = _snapshot(synth.patch_dir)
-    assert first["series"] == b"0001-Fix-core.patch\n0002-Add-new-module.patch\n"
+    assert first["series"] == (
+        b"0001-Fix-core.patch\n0002-Bugfix-Core-Add-new-module.patch\n"
+    )
     assert first["0001-Fix-core.patch"].startswith(b"From " + b"0" * 40)
     assert b"Signed-off-by: Test Author" in first["0001-Fix-core.patch"]
     # a fresh clone of our repo has no fork/: sync from patches, export again
     shutil.rmtree(repo)
     hf.sync()
+    # upstream-style subject tags survive git am
+    assert git(repo, "log", "-1", "--format=%s") == "[Bugfix][Core] Add new module\n"
     hf.export()
     assert _snapshot(synth.patch_dir) == first
     # and sync on an in-sync fork/ rebuilds it without complaint
