@@ -276,18 +276,31 @@ def _error_row(row: dict, e: BaseException) -> None:
 
 
 def run_cells(
-    cells: list[Cell], workdir: Path, n_prompts: int, seed: int
+    cells: list[Cell],
+    workdir: Path,
+    n_prompts: int,
+    seed: int,
+    deadline_s: float | None = None,
 ) -> list[dict]:
     """Reference per (model, dtype), every cell's candidates, then one
-    teacher-forced verification per (model, dtype) for all of them."""
+    teacher-forced verification per (model, dtype) for all of them.
+
+    With ``deadline_s``, no new cell starts once that many seconds have
+    passed; the cells run so far are verified and reported, the rest are
+    listed as skipped on stdout (a slice then always fits a call's limit)."""
     from .models import write_model
 
+    start = time.time()
     rows: list[dict] = []
     pending: dict[tuple, list] = {}  # (model, dtype) -> [(row, prompts, cands)]
     refs: dict[tuple, tuple] = {}
     models: dict[str, str] = {}
-    for cell in cells:
+    for n_done, cell in enumerate(cells):
         t0 = time.time()
+        if deadline_s is not None and t0 - start > deadline_s:
+            for c in cells[n_done:]:
+                print(json.dumps({"skipped": c.key()}), flush=True)
+            break
         row = cell.key()
         row.update(prompts=0, tokens=0, divergences=0, ties=0)
         rows.append(row)
@@ -412,12 +425,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default=None, help="substring filter on cells")
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="start no new cell after this many seconds (then verify, report)",
+    )
     a = ap.parse_args(argv)
     cells = slice_cells(a.slice)
     if a.only:
         cells = [c for c in cells if a.only in json.dumps(c.key())]
     with tempfile.TemporaryDirectory(prefix="hsfork-eq-") as tmp:
-        results = run_cells(cells, Path(tmp), a.prompts, a.seed)
+        results = run_cells(cells, Path(tmp), a.prompts, a.seed, a.deadline)
     from .report import write_report
 
     run = a.run or f"{a.slice}"

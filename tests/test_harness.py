@@ -281,6 +281,8 @@ def test_run_cells_orchestration_with_a_fake_engine(tmp_path, monkeypatch):
         eq.Cell("qwen3_5", "scripted:all_zero", 4, 4, max_tokens=12),
         eq.Cell("qwen3_5", "scripted:all_accept", 4, 4, max_tokens=12),
     ]
+    # a deadline already passed: nothing starts, nothing is reported
+    assert eq.run_cells(cells, tmp_path, n_prompts=4, seed=0, deadline_s=-1) == []
     rows = eq.run_cells(cells, tmp_path, n_prompts=4, seed=0)
     assert [r["status"] for r in rows] == ["ok", "diverged"]
     assert rows[0]["tokens"] == 48 and rows[0]["divergences"] == 0
