@@ -21,7 +21,6 @@ TARGET, installs the wheels there and prints the environment to use.
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import io
 import json
 import os
@@ -171,7 +170,6 @@ def resolve_dependencies(requirements: list[str], dest: Path) -> list[Path]:
                 chosen[name] = target
                 for dep in _wheel_requires(target):
                     r = Requirement(dep)
-                    env["extra"] = ""
                     if r.marker and not any(
                         r.marker.evaluate({**env, "extra": e})
                         for e in (extras.get(name) or {""})
@@ -387,11 +385,3 @@ def make_bundle(
     print(f"{out_dir / 'manifest.json'}\n{out_dir / 'install.sh'}")
     return manifest
 
-
-def digest_dir(path: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            h.update(p.relative_to(path).as_posix().encode())
-            h.update(p.read_bytes())
-    return h.hexdigest()
