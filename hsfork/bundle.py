@@ -384,4 +384,3 @@ def make_bundle(
         print(f"{out_dir / p['name']}  {p['size']} bytes")
     print(f"{out_dir / 'manifest.json'}\n{out_dir / 'install.sh'}")
     return manifest
-
