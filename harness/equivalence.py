@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .compare import TIE_MARGIN, CellSummary, Position, noise, verify
 from .drafter import LOG_ENV, SCRIPT_ENV
+from .models import FIRST_SPECIAL_ID, VOCAB
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -66,7 +67,9 @@ class Cell:
 # prompts
 
 
-def make_prompts(n: int, seed: int, vocab: int = 250, lo: int = 24, hi: int = 200):
+def make_prompts(
+    n: int, seed: int, vocab: int = FIRST_SPECIAL_ID, lo: int = 24, hi: int = 200
+):
     """Heterogeneous lengths; each prompt repeats some of its own segments so
     that prompt lookup finds n-grams. First 8 tokens unique per prompt."""
     rng = random.Random(seed)
@@ -253,7 +256,7 @@ def _scripted_env(cell: Cell, workdir: Path, seed: int, prompts, ref_tokens) -> 
                 "schedule": cell.drafter.split(":", 1)[1],
                 "seed": seed,
                 "block_size": cell.extra.get("block_size", 16),
-                "vocab_size": 256,
+                "vocab_size": VOCAB,
                 "requests": requests,
             }
         )
@@ -368,7 +371,10 @@ def run_cells(
         summaries = [CellSummary() for _ in items]
         for (kind, key, i), pos, (_, cand) in zip(owners, forced, seqs, strict=True):
             if kind == "cell":
-                summaries[key].add_verification(i, verify(pos, cand, margin))
+                ref_len = len(refs[items[key][3]][1][i])
+                summaries[key].add_verification(
+                    i, verify(pos, cand, margin, expected_len=ref_len)
+                )
         for (row, *_), s in zip(items, summaries, strict=True):
             row.update(
                 prompts=s.prompts,

@@ -35,6 +35,8 @@ IMAGE_ID, VIDEO_ID, VISION_START_ID, VISION_END_ID = (
     VOCAB - 4,
     VOCAB - 3,
 )
+# prompts use only ids below the special ones
+FIRST_SPECIAL_ID = IMAGE_ID
 
 
 def _qwen3_5_text(vocab: int, mtp_layers: int) -> dict:

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from harness.compare import Position, compare, noise, summarize, verify
+from harness.compare import CellSummary, Position, noise, verify
 from harness.drafter import (
     SCHEDULES,
     Script,
@@ -28,34 +28,35 @@ def _ref(tokens, gaps=None, second=None):
     ]
 
 
-# --- margin-aware comparison ------------------------------------------------
+# --- margin-aware verification ---------------------------------------------
 
 
 def test_match():
-    v = compare(_ref([1, 2, 3]), [1, 2, 3], 0.05)
-    assert (v.status, v.compared) == ("match", 3)
+    v = verify(_ref([1, 2, 3]), [1, 2, 3], 0.05)
+    assert (v.status, v.checked, v.divergences) == ("match", 3, 0)
 
 
 def test_divergence_above_margin_is_a_bug():
-    v = compare(_ref([1, 2, 3], gaps=[5, 0.5, 5]), [1, 3, 9], 0.05)
-    assert (v.status, v.position, v.margin, v.expected, v.got) == (
-        "diverged", 1, 0.5, 2, 3,
-    )  # fmt: skip
+    v = verify(_ref([1, 2, 3], gaps=[5, 0.5, 5]), [1, 3, 3], 0.05)
+    assert v.status == "diverged"
+    assert v.first == {"position": 1, "margin": 0.5, "expected": 2, "got": 3}
 
 
 def test_divergence_below_margin_to_second_choice_is_a_tie():
-    v = compare(_ref([1, 2, 3], gaps=[5, 0.01, 5]), [1, 3, 0], 0.05)
-    assert (v.status, v.position) == ("tie", 1)
+    v = verify(_ref([1, 2, 3], gaps=[5, 0.01, 5]), [1, 3, 3], 0.05)
+    assert (v.status, v.ties) == ("tie", 1)
 
 
 def test_below_margin_but_not_the_second_choice_is_a_bug():
-    v = compare(_ref([1, 2, 3], gaps=[5, 0.01, 5]), [1, 77, 0], 0.05)
+    v = verify(_ref([1, 2, 3], gaps=[5, 0.01, 5]), [1, 77, 3], 0.05)
     assert v.status == "diverged"
 
 
 def test_length_mismatch_is_a_bug():
-    assert compare(_ref([1, 2, 3]), [1, 2], 0.05).status == "diverged"
-    assert compare(_ref([1, 2]), [1, 2, 3], 0.05).status == "diverged"
+    v = verify(_ref([1, 2]), [1, 2], 0.05, expected_len=3)
+    assert (v.status, v.divergences) == ("diverged", 1)
+    assert v.first["position"] == 2
+    assert verify(_ref([1, 2]), [1, 2], 0.05, expected_len=2).status == "match"
 
 
 def test_position_from_logprobs():
@@ -68,11 +69,13 @@ def test_position_from_logprobs():
 
 
 def test_summary_counts_and_first_divergence():
-    refs = [_ref([1, 2]), _ref([3, 4], gaps=[0.01, 5]), _ref([5, 6], gaps=[5, 2])]
-    s = summarize(refs, [[1, 2], [4, 0], [5, 7]], 0.05)
+    s = CellSummary()
+    s.add_verification(0, verify(_ref([1, 2]), [1, 2], 0.05))
+    s.add_verification(1, verify(_ref([3, 4], gaps=[0.01, 5]), [4, 4], 0.05))
+    s.add_verification(2, verify(_ref([5, 6], gaps=[5, 2]), [5, 7], 0.05))
     assert (s.prompts, s.divergences, s.ties, s.status) == (3, 1, 1, "diverged")
     assert s.first_divergence["prompt"] == 2 and s.first_divergence["position"] == 1
-    assert s.tokens == 2 + 1 + 2
+    assert s.tokens == 6 and s.max_margin == 2
 
 
 # --- scripted drafter ---------------------------------------------------------
