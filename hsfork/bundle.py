@@ -115,7 +115,13 @@ def resolve_dependencies(requirements: list[str], dest: Path) -> list[Path]:
     """Download into ``dest`` the wheels the requirements need on a cp312
     host, walking dependencies breadth-first. Packages preinstalled on the
     host (by name) are neither carried nor walked into: their own needs are
-    met there. Returns the wheels, one per project."""
+    met there. Returns the wheels, one per project.
+
+    Why not pip's resolver (``pip install --dry-run --report`` with
+    ``--platform``): it cannot treat the host's packages as installed, so it
+    walks into torch's CUDA wheels (absent at those versions for the target
+    tags), and pinning the host's versions as constraints made it
+    backtrack into a conflict (xgrammar vs transformers) with no solution."""
     from pip._vendor.packaging.requirements import Requirement
     from pip._vendor.packaging.specifiers import SpecifierSet
     from pip._vendor.packaging.utils import parse_wheel_filename

@@ -5,6 +5,11 @@ The index is pip's: ``HSFORK_INDEX_URL``, else ``PIP_INDEX_URL``, else pip's
 tried after it. Files are found through the simple repository API (PEP 503
 HTML or PEP 691 JSON), downloaded next to their final place, verified against
 the pinned sha256 and only then renamed into the cache.
+
+Why not ``pip download``: for the sdist pip prepares metadata through the
+package's build backend, whose build requirements (torch==2.11.0 with CUDA)
+it installs first; that fails, or fetches gigabytes, on a CPU machine. The
+wheel would work, but one lookup path for both keeps the errors uniform.
 """
 
 from __future__ import annotations
