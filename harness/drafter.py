@@ -127,7 +127,10 @@ class Script:
         self.schedule_name = data["schedule"]
         self.schedule = SCHEDULES[self.schedule_name]
         self.seed = int(data.get("seed", 0))
-        self.block_size = int(data.get("block_size", 16))
+        # None: the engine's block size (read by ScriptedProposer)
+        bs = data.get("block_size")
+        self.block_size = int(bs) if bs else 16
+        self.block_size_given = bool(bs)
         self.vocab_size = int(data["vocab_size"])
         self.requests = [
             (tuple(r["prompt"]), list(r["reference"])) for r in data["requests"]
@@ -159,6 +162,10 @@ class ScriptedProposer:
         if not path:
             raise RuntimeError(f"{SCRIPT_ENV} must name the drafter's script")
         self.script = Script.load(path)
+        if not self.script.block_size_given:
+            # boundary-crossing schedules aim at the engine's real blocks
+            # (in align mode the mamba state is checkpointed per block)
+            self.script.block_size = int(vllm_config.cache_config.block_size)
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
         self.steps: dict[int, int] = {}

@@ -99,7 +99,8 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
         "dtype": cell.dtype,
         "seed": 0,
         "max_model_len": 2048,
-        "gpu_memory_utilization": 0.25,
+        # several slices may share one GPU (one process each)
+        "gpu_memory_utilization": float(os.environ.get("HSFORK_GPU_MEM", "0.25")),
         "enforce_eager": cell.graphs == "eager",
         "attention_backend": "TRITON_ATTN",
         "disable_log_stats": False,
@@ -171,8 +172,26 @@ def _engine(cell: Cell, model_dir: str):
     return LLM(**engine_kwargs(cell, model_dir, spec_config(cell)))
 
 
-def generate(cell: Cell, model_dir: str, prompts, logprobs: int | None):
-    """Greedy outputs of ``prompts``, ``cell.batch`` requests in flight."""
+def second_wave(prompts, continuations, seed: int, tail: int = 4):
+    """Prompts that share a prefix with earlier requests: each earlier
+    prompt, three quarters of its (reference) continuation, then ``tail``
+    fresh tokens. Submitted after the first wave in the same engine, they
+    hit the prefix cache on blocks whose state was written while the first
+    wave decoded speculatively (align mode checkpoints them per block)."""
+    rng = random.Random(seed + 1)
+    out = []
+    for p, c in zip(prompts, continuations, strict=True):
+        keep = list(c[: len(c) * 3 // 4])
+        out.append(
+            list(p) + keep + [rng.randrange(FIRST_SPECIAL_ID) for _ in range(tail)]
+        )
+    return out
+
+
+def generate(cell: Cell, model_dir: str, waves, logprobs: int | None):
+    """Greedy outputs of each wave of prompts in turn (one engine, so later
+    waves can hit the prefix cache of earlier ones), ``cell.batch`` requests
+    in flight."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -185,15 +204,25 @@ def generate(cell: Cell, model_dir: str, prompts, logprobs: int | None):
             logprobs=logprobs,
         )
         outs = []
-        for i in range(0, len(prompts), cell.batch):
-            chunk = prompts[i : i + cell.batch]
-            outs += llm.generate(
-                [TokensPrompt(prompt_token_ids=p) for p in chunk], sp, use_tqdm=False
-            )
-        metrics = {}
+        for prompts in waves:
+            for i in range(0, len(prompts), cell.batch):
+                chunk = prompts[i : i + cell.batch]
+                outs += llm.generate(
+                    [TokensPrompt(prompt_token_ids=p) for p in chunk],
+                    sp,
+                    use_tqdm=False,
+                )
+        metrics: dict = {}
         try:
+            config = llm.llm_engine.vllm_config
+            metrics["block_size"] = config.cache_config.block_size
+            # what the engine ran with (vLLM turns async scheduling off for
+            # drafters that need the host, e.g. n-gram)
+            metrics["async_scheduling"] = bool(config.scheduler_config.async_scheduling)
             for m in llm.get_metrics():
-                if "spec_decode" in m.name and hasattr(m, "value"):
+                if ("spec_decode" in m.name or "prefix_cache" in m.name) and hasattr(
+                    m, "value"
+                ):
                     metrics[m.name] = m.value
         except Exception:  # noqa: BLE001 - metrics are informative only
             pass
@@ -255,7 +284,7 @@ def _scripted_env(cell: Cell, workdir: Path, seed: int, prompts, ref_tokens) -> 
             {
                 "schedule": cell.drafter.split(":", 1)[1],
                 "seed": seed,
-                "block_size": cell.extra.get("block_size", 16),
+                "block_size": cell.extra.get("block_size"),
                 "vocab_size": VOCAB,
                 "requests": requests,
             }
@@ -314,21 +343,28 @@ def run_cells(
                 )
             model_dir = models[cell.model]
             n = max(n_prompts, cell.batch)
-            prompts = make_prompts(n, seed)
-            rkey = (cell.model, cell.dtype, n, cell.max_tokens)
+            two_waves = cell.cache_mode == "align"
+            rkey = (cell.model, cell.dtype, n, cell.max_tokens, two_waves)
             if rkey not in refs:
                 ref_cell = Cell(cell.model, "none", 0, n, dtype=cell.dtype,
                                 max_tokens=cell.max_tokens)  # fmt: skip
-                outs, _ = generate(ref_cell, model_dir, prompts, logprobs=2)
+                waves = [make_prompts(n, seed)]
+                outs, _ = generate(ref_cell, model_dir, waves, logprobs=2)
+                if two_waves:
+                    toks = [list(o.outputs[0].token_ids) for o in outs]
+                    waves.append(second_wave(waves[0], toks, seed))
+                    outs += generate(ref_cell, model_dir, waves[1:], logprobs=2)[0]
                 refs[rkey] = (
                     reference_positions(outs),
                     [list(o.outputs[0].token_ids) for o in outs],
+                    waves,
                 )
-            _, ref_tokens = refs[rkey]
+            _, ref_tokens, waves = refs[rkey]
+            prompts = [p for w in waves for p in w]
             log = None
             if cell.drafter.startswith("scripted:"):
                 log = _scripted_env(cell, workdir, seed, prompts, ref_tokens)
-            outs, metrics = generate(cell, model_dir, prompts, logprobs=None)
+            outs, metrics = generate(cell, model_dir, waves, logprobs=None)
             cands = [list(o.outputs[0].token_ids) for o in outs]
             row["accept"] = metrics or None
             if log is not None and log.exists():
@@ -349,9 +385,9 @@ def run_cells(
     # its own tokens to measure the kernel-path noise
     for (model, dtype), items in pending.items():
         seqs, owners = [], []
-        for rkey, (_ref_pos, ref_tokens) in refs.items():
+        for rkey, (_ref_pos, ref_tokens, waves) in refs.items():
             if rkey[:2] == (model, dtype):
-                prompts = make_prompts(rkey[2], seed)
+                prompts = [p for w in waves for p in w]
                 seqs += list(zip(prompts, ref_tokens, strict=True))
                 owners += [("ref", rkey, i) for i in range(len(prompts))]
         for j, (_, prompts, cands, _) in enumerate(items):
@@ -420,7 +456,47 @@ def slice_cells(name: str) -> list[Cell]:
                                ("ngram", 5)):  # fmt: skip
                 cells.append(Cell(model, drafter, k, 8, chunked=True))
         return cells
+    if name.startswith("v1-matrix-"):
+        return _v1_matrix(name.removeprefix("v1-matrix-"))
     raise ValueError(f"unknown slice {name}")
+
+
+def _v1_matrix(part: str) -> list[Cell]:
+    """The V1-runner matrix, in parts that fit one 10-minute call each (the
+    parts can run side by side on one GPU, ``HSFORK_GPU_MEM`` apiece).
+
+    ``q-state``/``n-state``: Qwen3.5 / NemotronH with BS 64 heterogeneous,
+    align mode with prefix hits, chunked prefill with a token budget that
+    leaves running requests unscheduled, preemption. ``q-drafters``: MTP
+    k=1/3, async scheduling, FULL_AND_PIECEWISE CUDA graphs."""
+    fp = "full_and_piecewise"
+    if part in ("q-state", "n-state"):
+        m = "qwen3_5" if part == "q-state" else "nemotron_h"
+        return [
+            Cell(m, "scripted:heterogeneous", 4, 64),
+            Cell(m, "ngram", 64, 64),
+            Cell(m, "scripted:accept_then_zero", 4, 8, cache_mode="align"),
+            Cell(m, "scripted:boundary", 4, 8, cache_mode="align"),
+            Cell(m, "ngram", 5, 8, cache_mode="align"),
+            Cell(m, "scripted:heterogeneous", 8, 16, chunked=True),
+            Cell(m, "ngram", 64, 8, chunked=True),
+            Cell(m, "scripted:random", 4, 16, preempt=True),
+            Cell(m, "scripted:random", 4, 8, graphs=fp),
+            Cell(m, "ngram", 5, 8, graphs=fp),
+        ]
+    if part == "q-drafters":
+        m = "qwen3_5"
+        return [
+            Cell(m, "mtp", 1, 8),
+            Cell(m, "mtp", 3, 8),
+            Cell(m, "mtp", 3, 8, async_sched=True),
+            Cell(m, "mtp", 3, 8, cache_mode="align", async_sched=True),
+            Cell(m, "mtp", 3, 16, async_sched=True, chunked=True),
+            Cell(m, "mtp", 3, 8, graphs=fp, async_sched=True),
+            Cell(m, "scripted:accept_then_zero", 4, 8, async_sched=True),
+            Cell(m, "mtp", 3, 8, cache_mode="align", graphs=fp, async_sched=True),
+        ]
+    raise ValueError(f"unknown matrix part {part}")
 
 
 def main(argv: list[str] | None = None) -> None:

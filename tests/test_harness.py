@@ -139,10 +139,16 @@ def test_proposer_matches_requests_by_prompt(tmp_path, monkeypatch):
     class Spec:
         num_speculative_tokens = 3
 
+    class Cache:
+        block_size = 32
+
     class Cfg:
         speculative_config = Spec()
+        cache_config = Cache()
 
     prop = ScriptedProposer(Cfg())
+    # the script names no block size: the engine's is used
+    assert prop.script.block_size == 32
     # batch: row 0 = second prompt + 2 generated, row 1 = first prompt + 1,
     # row 2 = a partial prefill, row 3 = an unknown request
     rows = [prompts[1] + refs[1][:2], prompts[0] + refs[0][:1], [1, 2], [9, 9, 9]]
@@ -253,8 +259,9 @@ def test_run_cells_orchestration_with_a_fake_engine(tmp_path, monkeypatch):
         def __init__(self, v):
             self.logprob = v
 
-    def fake_generate(cell, model_dir, prompts, logprobs):
+    def fake_generate(cell, model_dir, waves, logprobs):
         outs = []
+        prompts = [p for w in waves for p in w]
         for j, p in enumerate(prompts):
             toks, prev = [], p[-1]
             for _ in range(cell.max_tokens):
@@ -312,3 +319,34 @@ def test_verify_uses_the_candidates_own_logprob_when_known():
     p = Position.top({5: -0.1, 6: -2.0, 9: -6.1}, candidate=9)
     v = verify([p], [9], 0.25)
     assert v.status == "diverged" and v.first["margin"] == pytest.approx(6.0)
+
+
+def test_second_wave_shares_prefixes_with_the_first():
+    from harness.equivalence import make_prompts, second_wave
+
+    first = make_prompts(4, seed=3)
+    conts = [[200 + j for j in range(40)] for _ in first]
+    second = second_wave(first, conts, seed=3)
+    for p, c, q in zip(first, conts, second, strict=True):
+        assert q[: len(p) + 30] == p + c[:30]
+        assert len(q) == len(p) + 30 + 4
+    assert second == second_wave(first, conts, seed=3)
+
+
+def test_v1_matrix_parts_cover_the_issue_dimensions():
+    from harness.equivalence import slice_cells
+
+    cells = [c for p in ("q-state", "n-state", "q-drafters")
+             for c in slice_cells(f"v1-matrix-{p}")]  # fmt: skip
+    assert {c.model for c in cells} == {"qwen3_5", "nemotron_h"}
+    assert {c.runner for c in cells} == {"v1"}
+    assert any(c.drafter == "ngram" and c.k == 64 for c in cells)
+    assert {(c.drafter, c.k) for c in cells if c.drafter == "mtp"} == {
+        ("mtp", 1),
+        ("mtp", 3),
+    }
+    for flag in ("chunked", "preempt", "async_sched"):
+        assert any(getattr(c, flag) for c in cells), flag
+    assert {c.cache_mode for c in cells} == {"none", "align"}
+    assert {c.graphs for c in cells} == {"eager", "full_and_piecewise"}
+    assert max(c.batch for c in cells) == 64
