@@ -107,6 +107,10 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
         "max_num_seqs": max(cell.batch, 1),
         "async_scheduling": cell.async_sched,
     }
+    if os.environ.get("HSFORK_KV_BYTES"):
+        # fixed KV cache size: no memory profiling, which other processes
+        # sharing the GPU would disturb
+        kw["kv_cache_memory_bytes"] = int(float(os.environ["HSFORK_KV_BYTES"]))
     if cell.model == "qwen3_5":
         kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
         kw["language_model_only"] = True

@@ -1,0 +1,1 @@
+"""Fork-versus-upstream benchmarks (see benchmarks/README.md)."""

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Run slices of the equivalence matrix on a GPU host, fork and upstream
+# v0.26.0 side by side (one process per slice and variant, sharing the GPU).
+#
+#   bash harness/gpu_matrix.sh VARIANTS SLICES DEADLINE_S
+#   e.g. bash harness/gpu_matrix.sh "fork upstream" "v1-matrix-q-state v1-matrix-n-state" 400
+#
+# Needs the bundle installed at /tmp/hybridspec (hsfork/install_bundle.sh).
+# The upstream tree is the fork's site with the patch series reversed.
+# Reports go to $OUT/equivalence, logs to $OUT/logs.
+set -u
+R=$PWD
+VARIANTS=${1:-fork}
+SLICES=${2:-v1-smoke}
+DEADLINE=${3:-400}
+OUT=${OUT:-$R/out}
+mkdir -p "$OUT/equivalence" "$OUT/logs"
+# shellcheck disable=SC1091
+source /tmp/hybridspec/env.sh
+if [[ " $VARIANTS " == *" upstream "* && ! -d /tmp/upstream-site ]]; then
+  cp -r /tmp/hybridspec/site /tmp/upstream-site
+  mapfile -t series < "$R/patches/series"
+  for ((i=${#series[@]}-1; i>=0; i--)); do
+    (cd /tmp/upstream-site && git apply -R --include='vllm/*' "$R/patches/${series[$i]}") \
+      || { echo "reverse-apply failed: ${series[$i]}"; exit 1; }
+  done
+fi
+export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.1} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-2e9}
+pids=()
+for v in $VARIANTS; do
+  site=/tmp/hybridspec/site
+  [[ $v == upstream ]] && site=/tmp/upstream-site
+  PYTHONPATH="$R:${PYTHONPATH//\/tmp\/hybridspec\/site/$site}" python3 -c \
+    "import vllm, vllm.v1.spec_decode.utils as u; print('$v', vllm.__file__, 'patched:', hasattr(u, 'mark_zero_draft_decodes'))"
+  for s in $SLICES; do
+    PYTHONPATH="$R:${PYTHONPATH//\/tmp\/hybridspec\/site/$site}" \
+      timeout $((DEADLINE + 170)) python3 -m harness.equivalence --slice "$s" \
+      --run "$s-$v" --out "$OUT/equivalence" --deadline "$DEADLINE" \
+      > "$OUT/logs/$s-$v.log" 2>&1 &
+    pids+=($!)
+    sleep 2
+  done
+done
+for p in "${pids[@]}"; do wait "$p"; done
+for f in "$OUT"/logs/*.log; do
+  echo "== $f"; grep -E '^\{"(model|skipped)' "$f" | cut -c1-220
+  grep -E "Traceback|Error" "$f" | tail -3
+done
