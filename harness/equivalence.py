@@ -126,7 +126,9 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
         kw["max_num_batched_tokens"] = 64
         kw["enable_chunked_prefill"] = True
     if cell.preempt:
+        # 24 blocks hold a few requests of at most 512 tokens, not the batch
         kw["num_gpu_blocks_override"] = 24
+        kw["max_model_len"] = 512
     if spec:
         kw["speculative_config"] = spec
     kw.update(cell.extra)
@@ -487,6 +489,12 @@ def _v1_matrix(part: str) -> list[Cell]:
             Cell(m, "scripted:random", 4, 16, preempt=True),
             Cell(m, "scripted:random", 4, 8, graphs=fp),
             Cell(m, "ngram", 5, 8, graphs=fp),
+        ]
+    if part in ("q-preempt", "n-preempt"):
+        m = "qwen3_5" if part == "q-preempt" else "nemotron_h"
+        return [
+            Cell(m, "scripted:random", 4, 16, preempt=True),
+            Cell(m, "ngram", 8, 16, preempt=True),
         ]
     if part == "q-drafters":
         m = "qwen3_5"
