@@ -254,32 +254,10 @@ def prompt_seed(seed: int, bs: int, purpose: int) -> int:
 
 
 def tokenizer_json(vocab: int) -> dict:
-    """A word-level tokenizer: token i is the word ``t{i}``; Qwen3.5's
-    special ids keep their names."""
-    words = {SPECIALS.get(i, f"t{i}"): i for i in range(vocab)}
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [
-            {
-                "id": i,
-                "content": s,
-                "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-                "special": True,
-            }
-            for i, s in sorted(SPECIALS.items())
-            if i < vocab
-        ],
-        "normalizer": None,
-        "pre_tokenizer": {"type": "WhitespaceSplit"},
-        "post_processor": None,
-        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": False},
-        "model": {"type": "WordLevel", "vocab": words, "unk_token": "t0"},
-    }
+    """harness.models' word-level tokenizer with Qwen3.5's special ids."""
+    from harness.models import tokenizer_json as word_level
+
+    return word_level(vocab, SPECIALS)
 
 
 def model_vocab() -> int:

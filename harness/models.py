@@ -150,15 +150,18 @@ def nemotron_h_config(vocab: int = VOCAB) -> dict:
     }
 
 
-def tokenizer_json(vocab: int = VOCAB) -> dict:
-    """A word-level tokenizer: token i is the word ``t{i}``."""
-    specials = {
-        EOS_ID: "<|endoftext|>",
-        IMAGE_ID: "<|image_pad|>",
-        VIDEO_ID: "<|video_pad|>",
-        VISION_START_ID: "<|vision_start|>",
-        VISION_END_ID: "<|vision_end|>",
-    }
+def tokenizer_json(vocab: int = VOCAB, specials: dict[int, str] | None = None) -> dict:
+    """A word-level tokenizer: token i is the word ``t{i}``; ``specials``
+    (default: this vocabulary's) keep their names."""
+    if specials is None:
+        specials = {
+            EOS_ID: "<|endoftext|>",
+            IMAGE_ID: "<|image_pad|>",
+            VIDEO_ID: "<|video_pad|>",
+            VISION_START_ID: "<|vision_start|>",
+            VISION_END_ID: "<|vision_end|>",
+        }
+    specials = {i: s for i, s in specials.items() if i < vocab}
     words = {specials.get(i, f"t{i}"): i for i in range(vocab)}
     return {
         "version": "1.0",
