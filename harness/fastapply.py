@@ -503,32 +503,16 @@ def save_checkpoint(
     requested), config, generation config, tokenizer, ``fixture.json``."""
     import torch
     from safetensors.torch import save_file
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers import Qwen3_5ForConditionalGeneration
 
-    from .models import (
-        IMAGE_ID,
-        VIDEO_ID,
-        VISION_END_ID,
-        VISION_START_ID,
-        _mtp_tensors,
-        _write_tokenizer,
-    )
+    from .models import _mtp_tensors, _write_tokenizer, qwen3_5_hf_config
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg_dict = model_config(size)
     cfg_dict["dtype"] = cfg_dict["text_config"]["dtype"] = dtype
     torch.manual_seed(seed)
-    full = Qwen3_5ForConditionalGeneration(
-        Qwen3_5Config(
-            text_config=cfg_dict["text_config"],
-            vision_config=cfg_dict["vision_config"],
-            image_token_id=IMAGE_ID,
-            video_token_id=VIDEO_ID,
-            vision_start_token_id=VISION_START_ID,
-            vision_end_token_id=VISION_END_ID,
-        )
-    ).float()
+    full = Qwen3_5ForConditionalGeneration(qwen3_5_hf_config(cfg_dict)).float()
     full.model.language_model.load_state_dict(lm.model.state_dict())
     full.lm_head.load_state_dict(lm.lm_head.state_dict())
     tensors = dict(full.state_dict())

@@ -150,6 +150,20 @@ def nemotron_h_config(vocab: int = VOCAB) -> dict:
     }
 
 
+def qwen3_5_hf_config(cfg_dict: dict):
+    """transformers' ``Qwen3_5Config`` of a config written here."""
+    from transformers import Qwen3_5Config
+
+    return Qwen3_5Config(
+        text_config=cfg_dict["text_config"],
+        vision_config=cfg_dict["vision_config"],
+        image_token_id=IMAGE_ID,
+        video_token_id=VIDEO_ID,
+        vision_start_token_id=VISION_START_ID,
+        vision_end_token_id=VISION_END_ID,
+    )
+
+
 def tokenizer_json(vocab: int = VOCAB, specials: dict[int, str] | None = None) -> dict:
     """A word-level tokenizer: token i is the word ``t{i}``; ``specials``
     (default: this vocabulary's) keep their names."""
@@ -261,18 +275,10 @@ def write_model(
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     if kind == "qwen3_5":
-        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+        from transformers import Qwen3_5ForConditionalGeneration
 
         cfg_dict = qwen3_5_config(vocab, mtp_layers=1 if mtp else 0)
-        cfg = Qwen3_5Config(
-            text_config=cfg_dict["text_config"],
-            vision_config=cfg_dict["vision_config"],
-            image_token_id=IMAGE_ID,
-            video_token_id=VIDEO_ID,
-            vision_start_token_id=VISION_START_ID,
-            vision_end_token_id=VISION_END_ID,
-        )
-        model = Qwen3_5ForConditionalGeneration(cfg)
+        model = Qwen3_5ForConditionalGeneration(qwen3_5_hf_config(cfg_dict))
     elif kind == "nemotron_h":
         from transformers import NemotronHConfig, NemotronHForCausalLM
 
