@@ -27,13 +27,18 @@ from .compare import TIE_MARGIN, CellSummary, Position, noise, verify
 from .drafter import LOG_ENV, SCRIPT_ENV
 from .models import FIRST_SPECIAL_ID, VOCAB
 
+# the trained fast-apply fixture (``harness.fastapply``; its MTP head is
+# trained too), committed in the repository
+FASTAPPLY = "fastapply"
+FASTAPPLY_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "fastapply"
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 
 @dataclass(frozen=True)
 class Cell:
-    model: str  # fixture kind: qwen3_5 | nemotron_h
+    model: str  # fixture kind (harness.models.KINDS) or "fastapply"
     drafter: str  # ngram | mtp | scripted:<schedule>
     k: int
     batch: int
@@ -89,6 +94,16 @@ def make_prompts(
     return prompts
 
 
+def cell_prompts(model: str, n: int, seed: int) -> list[list[int]]:
+    """The prompts of a cell: the fast-apply task's held-out examples for the
+    trained fixture, ``make_prompts`` for the random-weight fixtures."""
+    if model == FASTAPPLY:
+        from .fastapply import make_eval_set
+
+        return [list(p) for p, _ in make_eval_set(n, seed)]
+    return make_prompts(n, seed)
+
+
 # ---------------------------------------------------------------------------
 # engines
 
@@ -111,7 +126,7 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
         # fixed KV cache size: no memory profiling, which other processes
         # sharing the GPU would disturb
         kw["kv_cache_memory_bytes"] = int(float(os.environ["HSFORK_KV_BYTES"]))
-    if cell.model == "qwen3_5":
+    if cell.model in ("qwen3_5", FASTAPPLY):
         kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
         kw["language_model_only"] = True
         kw["gdn_prefill_backend"] = "triton"
@@ -206,7 +221,8 @@ def generate(cell: Cell, model_dir: str, waves, logprobs: int | None):
         sp = SamplingParams(
             temperature=0.0,
             max_tokens=cell.max_tokens,
-            ignore_eos=True,
+            # the fast-apply fixture's answers end at EOS
+            ignore_eos=cell.model != FASTAPPLY,
             logprobs=logprobs,
         )
         outs = []
@@ -344,8 +360,14 @@ def run_cells(
         rows.append(row)
         try:
             if cell.model not in models:
-                models[cell.model] = str(
-                    write_model(cell.model, workdir / f"model-{cell.model}", seed=seed)
+                models[cell.model] = (
+                    str(FASTAPPLY_DIR)
+                    if cell.model == FASTAPPLY
+                    else str(
+                        write_model(
+                            cell.model, workdir / f"model-{cell.model}", seed=seed
+                        )
+                    )
                 )
             model_dir = models[cell.model]
             n = max(n_prompts, cell.batch)
@@ -354,11 +376,13 @@ def run_cells(
             if rkey not in refs:
                 ref_cell = Cell(cell.model, "none", 0, n, dtype=cell.dtype,
                                 max_tokens=cell.max_tokens)  # fmt: skip
-                waves = [make_prompts(n, seed)]
+                waves = [cell_prompts(cell.model, n, seed)]
                 outs, _ = generate(ref_cell, model_dir, waves, logprobs=2)
                 if two_waves:
                     toks = [list(o.outputs[0].token_ids) for o in outs]
-                    waves.append(second_wave(waves[0], toks, seed))
+                    # fast-apply: the answer so far, in distribution
+                    tail = 0 if cell.model == FASTAPPLY else 4
+                    waves.append(second_wave(waves[0], toks, seed, tail))
                     outs += generate(ref_cell, model_dir, waves[1:], logprobs=2)[0]
                 refs[rkey] = (
                     reference_positions(outs),
@@ -464,6 +488,8 @@ def slice_cells(name: str) -> list[Cell]:
         return cells
     if name.startswith("v1-matrix-"):
         return _v1_matrix(name.removeprefix("v1-matrix-"))
+    if name.startswith("fa-"):
+        return _fastapply_matrix(name.removeprefix("fa-"))
     raise ValueError(f"unknown slice {name}")
 
 
@@ -509,6 +535,43 @@ def _v1_matrix(part: str) -> list[Cell]:
             Cell(m, "mtp", 3, 8, cache_mode="align", graphs=fp, async_sched=True),
         ]
     raise ValueError(f"unknown matrix part {part}")
+
+
+def _fastapply_matrix(runner: str) -> list[Cell]:
+    """The trained fast-apply fixture (real n-gram matches, a trained MTP
+    head: natural full, partial and zero accepts) on one runner (``v1`` or
+    ``mrv2``). MTP on both runners: none and align mode with prefix hits
+    (a second wave continues the first wave's answers), BS 8 and 64, token
+    budget of 64 (drafts trimmed: zero-draft decode rows; running requests
+    unscheduled), CUDA graphs, async scheduling. n-gram k=64 on V1 (MRV2
+    rejects n-gram: recorded as rejected)."""
+    fa, fp = FASTAPPLY, "full_and_piecewise"
+    mt = 128  # the longest answer is 117 tokens with EOS
+    cells = [
+        Cell(fa, "mtp", 3, 8, runner, async_sched=True, max_tokens=mt),
+        Cell(fa, "mtp", 1, 64, runner, async_sched=True, max_tokens=mt),
+        Cell(fa, "mtp", 3, 64, runner, async_sched=True, max_tokens=mt),
+        Cell(fa, "mtp", 1, 64, runner, "align", async_sched=True, max_tokens=mt),
+        Cell(fa, "mtp", 3, 64, runner, "align", async_sched=True, max_tokens=mt),
+        Cell(fa, "mtp", 3, 16, runner, async_sched=True, chunked=True, max_tokens=mt),
+        Cell(
+            fa,
+            "mtp",
+            3,
+            16,
+            runner,
+            "align",
+            async_sched=True,
+            chunked=True,
+            max_tokens=mt,
+        ),  # fmt: skip
+        Cell(fa, "mtp", 3, 8, runner, "align", fp, async_sched=True, max_tokens=mt),
+        Cell(fa, "ngram", 64, 8, runner, max_tokens=mt),
+        Cell(fa, "ngram", 64, 64, runner, "align", max_tokens=mt),
+    ]
+    if runner not in ("v1", "mrv2"):
+        raise ValueError(f"unknown runner {runner}")
+    return cells
 
 
 def main(argv: list[str] | None = None) -> None:

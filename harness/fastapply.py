@@ -62,6 +62,7 @@ n-gram features they match on.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import math
@@ -874,6 +875,150 @@ def train(
 
 
 # ---------------------------------------------------------------------------
+# MTP head (trained on the frozen fixture)
+
+
+def mtp_head(text_config):
+    """The layers of vLLM's ``Qwen3_5MultiTokenPredictor`` in transformers'
+    own Qwen3.5 modules: ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``,
+    ``fc`` (2h -> h), one full-attention decoder layer, ``norm``; the
+    embedding and the output head are the target's. Position ``i`` reads the
+    target's final hidden state at ``i`` and the embedding of token ``i+1``
+    and predicts token ``i+2``, as vLLM's MTP proposer feeds it."""
+    import torch
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    h, eps = text_config.hidden_size, text_config.rms_norm_eps
+    full = text_config.layer_types.index("full_attention")
+    head = torch.nn.Module()
+    head.pre_fc_norm_embedding = m.Qwen3_5RMSNorm(h, eps=eps)
+    head.pre_fc_norm_hidden = m.Qwen3_5RMSNorm(h, eps=eps)
+    head.fc = torch.nn.Linear(2 * h, h, bias=False)
+    head.layer = m.Qwen3_5DecoderLayer(text_config, layer_idx=full)
+    head.norm = m.Qwen3_5RMSNorm(h, eps=eps)
+    return head
+
+
+def mtp_forward(head, lm, inp):
+    """MTP logits for ``inp`` (batch, L): position ``i`` predicts token
+    ``i+2`` (the last position has no next token and is dropped)."""
+    import torch
+
+    with torch.no_grad():
+        hidden = lm.model(input_ids=inp, use_cache=False).last_hidden_state
+        emb = lm.model.embed_tokens(inp[:, 1:])
+    x = torch.cat(
+        [head.pre_fc_norm_embedding(emb), head.pre_fc_norm_hidden(hidden[:, :-1])],
+        dim=-1,
+    )
+    x = head.fc(x)
+    pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+    # text-only M-RoPE: the three sections share the text position
+    rope = lm.model.rotary_emb(x, pos.expand(3, x.shape[0], -1))
+    out = head.layer(x, position_embeddings=rope, attention_mask=None, position_ids=pos)
+    x = out[0] if isinstance(out, tuple) else out
+    return lm.lm_head(head.norm(x))
+
+
+def mtp_tensors(head) -> dict:
+    """``head``'s weights under the checkpoint names vLLM's Qwen3.5 MTP
+    loads (``harness.models._mtp_tensors`` writes the same names)."""
+    out = {}
+    for name, t in head.state_dict().items():
+        if name.startswith("layer."):
+            name = "layers.0." + name[len("layer.") :]
+        out["mtp." + name] = t
+    return out
+
+
+def train_mtp(
+    model_dir: str | Path,
+    device: str = "cuda",
+    budget_s: float = 60.0,
+    batch: int = 64,
+    lr: float = 2e-3,
+    seed: int = 0,
+    log=print,
+) -> dict:
+    """Train the MTP head of the fixture in ``model_dir`` on the fast-apply
+    task with the target frozen, and write it into the checkpoint (bf16, in
+    place). Reports the head's teacher-forced top-1 accuracy on the answer
+    tokens of held-out examples (the share of first drafts a perfect verify
+    would accept)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model_dir = Path(model_dir)
+    full = load_model(model_dir, device)
+    lm = _LM(full)
+    for prm in full.parameters():
+        prm.requires_grad_(False)
+    torch.manual_seed(seed)
+    head = mtp_head(full.config.text_config).to(device).float().train()
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.01)
+    t0 = time.time()
+    step = 0
+    index = 10**6  # other batches than the fixture's training
+    while time.time() - t0 < budget_s:
+        index += 1
+        inp, lab = (
+            torch.from_numpy(x).to(device)
+            for x in _make_batch(seed, index, FULL, batch)
+        )
+        # lab[:, i] is the token at i+1; the MTP target at i is the token at
+        # i+2, i.e. lab[:, i+1]
+        logits = mtp_forward(head, lm, inp)
+        tgt = lab[:, 1:]
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), tgt.flatten(), ignore_index=-100
+        )
+        cur = lr * min(1.0, (step + 1) / 50)
+        cur *= 0.5 * (1 + math.cos(math.pi * min((time.time() - t0) / budget_s, 1)))
+        for g in opt.param_groups:
+            g["lr"] = cur
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        if step % 100 == 0:
+            log(json.dumps({"mtp_step": step, "loss": round(loss.item(), 4)}))
+    head.eval()
+    right = total = 0
+    with torch.no_grad():
+        examples = make_eval_set(64, 0)
+        for i in range(0, 64, 32):
+            inp, lab = _padded(examples[i : i + 32], device)
+            logits = mtp_forward(head, lm, inp)
+            tgt = lab[:, 1:]
+            mask = tgt != -100
+            right += ((logits.argmax(-1) == tgt) & mask).sum().item()
+            total += mask.sum().item()
+    res = {"mtp_steps": step, "mtp_top1": round(right / max(total, 1), 4)}
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    new = mtp_tensors(head)
+    assert set(new) == {k for k in tensors if k.startswith("mtp.")}, "names"
+    for k, v in new.items():
+        tensors[k] = v.detach().to("cpu", tensors[k].dtype).contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    info = json.loads((model_dir / "fixture.json").read_text())
+    info["mtp"] = "trained"
+    info["mtp_train"] = res | {"budget_s": budget_s, "batch": batch, "lr": lr}
+    (model_dir / "fixture.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(json.dumps(res))
+    return res
+
+
+class _LM:
+    """The text model and output head of a loaded checkpoint, as ``train``'s
+    causal LM exposes them (``.model``, ``.lm_head``)."""
+
+    def __init__(self, full):
+        self.model = full.model.language_model
+        self.lm_head = full.lm_head
+
+
+# ---------------------------------------------------------------------------
 # vLLM (GPU host)
 
 
@@ -885,6 +1030,8 @@ def vllm_exact_match(
     spec_config: dict | None = None,
     dtype: str = "bfloat16",
     max_tokens: int | None = None,
+    runner: str = "v1",
+    async_sched: bool = False,
 ) -> dict:
     """Greedy decoding of ``prompts`` in vLLM, ``batch`` requests in flight,
     with ``spec_config`` (``None``: no speculation): exact match against
@@ -893,7 +1040,7 @@ def vllm_exact_match(
     ``harness.equivalence`` uses for Qwen3.5."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "mrv2" else "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -901,7 +1048,8 @@ def vllm_exact_match(
 
     drafter = "none" if spec_config is None else spec_config.get("method", "spec")
     k = 0 if spec_config is None else spec_config.get("num_speculative_tokens", 0)
-    cell = Cell("qwen3_5", drafter, k, batch, dtype=dtype)
+    cell = Cell("qwen3_5", drafter, k, batch, runner, async_sched=async_sched)
+    cell = dataclasses.replace(cell, dtype=dtype)
     kw = engine_kwargs(cell, str(model_dir), spec_config)
     t0 = time.time()
     llm = LLM(**kw)
@@ -945,6 +1093,8 @@ def vllm_exact_match(
     res.update(
         batch=batch,
         spec=spec_config,
+        runner=runner,
+        async_scheduling=async_sched,
         dtype=dtype,
         tokens=sum(map(len, preds)),
         engine_s=round(t1 - t0, 1),
@@ -979,6 +1129,39 @@ def simulate_set(examples, k: int = 64, min_n: int = 2, max_n: int = 10) -> dict
         for key, v in simulate_ngram(p, a, k, min_n, max_n).items():
             agg[key] = agg.get(key, 0) + v
     return agg
+
+
+def summary_table(results: list[tuple[str, list[dict]]]) -> str:
+    """Markdown table of ``vllm`` results (``(variant, rows)``): exact match,
+    greedy prefix agreement, whether the outputs equal the variant's first
+    non-speculative run, and the drafter's acceptance."""
+    lines = [
+        "| variant | runner | async | drafter | k | BS | exact match | prefix "
+        "tokens | = non-spec | drafts | accepted/drafted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for variant, rows in results:
+        for r in rows:
+            spec = r.get("spec") or {}
+            m = r.get("spec_metrics") or {}
+            drafts = m.get("vllm:spec_decode_num_drafts")
+            drafted = m.get("vllm:spec_decode_num_draft_tokens")
+            acc = m.get("vllm:spec_decode_num_accepted_tokens")
+            rate = f"{acc / drafted:.3f}" if drafted else "-"
+            same = r.get("identical_to_first_nonspec")
+            em = r.get("exact_match")
+            pt = r.get("prefix_tokens")
+            lines.append(
+                f"| {variant} | {r.get('runner', 'v1')} | "
+                f"{r.get('async_scheduling', False)} | "
+                f"{spec.get('method', 'none')} | "
+                f"{spec.get('num_speculative_tokens', 0)} | {r.get('batch')} | "
+                f"{'error' if em is None else f'{em:.3f}'} | "
+                f"{'-' if pt is None else f'{pt:.3f}'} | "
+                f"{'-' if same is None else same} | "
+                f"{'-' if drafts is None else int(drafts)} | {rate} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------
@@ -1028,6 +1211,11 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--device", default="cpu")
     e.add_argument("--batch", type=int, default=32)
+    m = sub.add_parser("train-mtp", help="train the MTP head of a fixture")
+    m.add_argument("--model", required=True)
+    m.add_argument("--device", default="cuda")
+    m.add_argument("--budget-s", type=float, default=60.0)
+    m.add_argument("--batch", type=int, default=64)
     v = sub.add_parser("vllm", help="vLLM exact match, per batch size and drafter")
     v.add_argument("--model", required=True)
     v.add_argument("--n", type=int, default=64)
@@ -1037,11 +1225,16 @@ def main(argv: list[str] | None = None) -> None:
         "--spec",
         nargs="+",
         default=["none", "ngram"],
-        help="none | ngram (k=--k, lookup 2..10)",
+        help="none | ngram (k=--k, lookup 2..10) | mtp (k=--mtp-k)",
     )
     v.add_argument("--k", type=int, default=64)
+    v.add_argument("--mtp-k", type=int, default=3)
+    v.add_argument("--runner", choices=["v1", "mrv2"], default="v1")
+    v.add_argument("--async-sched", action="store_true")
     v.add_argument("--dtype", default="bfloat16")
     v.add_argument("--out", default=None, help="write results (JSON) here")
+    r = sub.add_parser("report", help="markdown table of vllm result files")
+    r.add_argument("files", nargs="+", help="VARIANT=FILE.json")
     s = sub.add_parser("stats", help="task statistics and simulated n-gram mix")
     s.add_argument("--n", type=int, default=200)
     s.add_argument("--k", type=int, nargs="+", default=[64, 8])
@@ -1073,16 +1266,31 @@ def main(argv: list[str] | None = None) -> None:
         res = evaluate(model, examples, a.batch)
         res["ngram_sim_k64"] = simulate_set(examples, 64)
         print(json.dumps(res))
+    elif a.cmd == "train-mtp":
+        train_mtp(a.model, a.device, a.budget_s, a.batch)
     elif a.cmd == "vllm":
         examples = make_eval_set(a.n, a.seed)
         prompts = [p for p, _ in examples]
         answers = [x for _, x in examples]
         results = []
         for spec in a.spec:
-            cfg = None if spec == "none" else ngram_spec(a.k)
+            cfg = {
+                "none": None,
+                "ngram": ngram_spec(a.k),
+                "mtp": {"method": "mtp", "num_speculative_tokens": a.mtp_k},
+            }[spec]
             for bs in a.batch:
                 try:
-                    r = vllm_exact_match(a.model, prompts, answers, bs, cfg, a.dtype)
+                    r = vllm_exact_match(
+                        a.model,
+                        prompts,
+                        answers,
+                        bs,
+                        cfg,
+                        a.dtype,
+                        runner=a.runner,
+                        async_sched=a.async_sched,
+                    )
                 except Exception as err:  # noqa: BLE001 - recorded, next cell
                     r = {"batch": bs, "spec": cfg, "error": repr(err)[-2000:]}
                 results.append(r)
@@ -1117,6 +1325,12 @@ def main(argv: list[str] | None = None) -> None:
                 ]
             )
         )
+    elif a.cmd == "report":
+        results = []
+        for item in a.files:
+            variant, path = item.split("=", 1)
+            results.append((variant, json.loads(Path(path).read_text())))
+        print(summary_table(results), end="")
     elif a.cmd == "stats":
         examples = make_eval_set(a.n, 0)
         pl = [len(p) for p, _ in examples]

@@ -16,24 +16,15 @@ DEADLINE=${3:-400}
 OUT=${OUT:-$R/out}
 mkdir -p "$OUT/equivalence" "$OUT/logs"
 # shellcheck disable=SC1091
-source /tmp/hybridspec/env.sh
-if [[ " $VARIANTS " == *" upstream "* && ! -d /tmp/upstream-site ]]; then
-  cp -r /tmp/hybridspec/site /tmp/upstream-site
-  mapfile -t series < "$R/patches/series"
-  for ((i=${#series[@]}-1; i>=0; i--)); do
-    (cd /tmp/upstream-site && git apply -R --include='vllm/*' "$R/patches/${series[$i]}") \
-      || { echo "reverse-apply failed: ${series[$i]}"; exit 1; }
-  done
-fi
+source "$R/harness/upstream_site.sh"
+if [[ " $VARIANTS " == *" upstream "* ]]; then make_upstream_site || exit 1; fi
 export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.1} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-2e9}
 pids=()
 for v in $VARIANTS; do
-  site=/tmp/hybridspec/site
-  [[ $v == upstream ]] && site=/tmp/upstream-site
-  PYTHONPATH="$R:${PYTHONPATH//\/tmp\/hybridspec\/site/$site}" python3 -c \
+  PYTHONPATH=$(site_pythonpath "$v") python3 -c \
     "import vllm, vllm.v1.spec_decode.utils as u; print('$v', vllm.__file__, 'patched:', hasattr(u, 'mark_zero_draft_decodes'))"
   for s in $SLICES; do
-    PYTHONPATH="$R:${PYTHONPATH//\/tmp\/hybridspec\/site/$site}" \
+    PYTHONPATH=$(site_pythonpath "$v") \
       timeout $((DEADLINE + 170)) python3 -m harness.equivalence --slice "$s" \
       --run "$s-$v" --out "$OUT/equivalence" --deadline "$DEADLINE" \
       > "$OUT/logs/$s-$v.log" 2>&1 &

@@ -231,6 +231,36 @@ def test_checkpoint_loads_and_matches_write_model_layout(tmp_path):
     assert info["kind"] == "fastapply" and "eval_transformers" in info
 
 
+def test_mtp_head_trains_and_is_written_under_vllm_names(tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    fa.train(tmp_path / "fa", steps=2, device="cpu", batch=4, size=TINY,
+             warmup=1, eval_n=1, log=lambda _: None)  # fmt: skip
+    before = load_file(str(tmp_path / "fa" / "model.safetensors"))
+    model = fa.load_model(tmp_path / "fa")
+    head = fa.mtp_head(model.config.text_config)
+    # the head's names are the checkpoint's mtp.* names (what vLLM loads)
+    assert set(fa.mtp_tensors(head)) == {k for k in before if k.startswith("mtp.")}
+    inp = torch.tensor([fa.make_eval_set(1, seed=0)[0][0][:20]])
+    logits = fa.mtp_forward(head, fa._LM(model), inp)
+    # position i predicts token i+2: one position fewer than the input
+    assert logits.shape == (1, 19, 256)
+
+    logs = []
+    res = fa.train_mtp(tmp_path / "fa", device="cpu", budget_s=3, batch=4,
+                       log=logs.append)  # fmt: skip
+    assert res["mtp_steps"] >= 1 and 0 <= res["mtp_top1"] <= 1
+    after = load_file(str(tmp_path / "fa" / "model.safetensors"))
+    assert set(after) == set(before)
+    changed = [k for k in after if not torch.equal(after[k], before[k])]
+    assert changed and all(k.startswith("mtp.") for k in changed)
+    info = json.loads((tmp_path / "fa" / "fixture.json").read_text())
+    assert info["mtp"] == "trained" and info["mtp_train"]["mtp_steps"] >= 1
+
+
 def test_vllm_exact_match_with_a_stub_engine(monkeypatch):
     vllm = pytest.importorskip("vllm")
     import harness.equivalence as eq
@@ -285,3 +315,22 @@ def test_vllm_exact_match_runs(tmp_path):
     a = fa.vllm_exact_match(tmp_path / "fa", prompts, answers, batch=1)
     b = fa.vllm_exact_match(tmp_path / "fa", prompts, answers, 8, fa.ngram_spec(8))
     assert a["n"] == b["n"] == 8 and len(a["outputs"]) == 8
+
+
+def test_summary_table_lists_every_run():
+    rows = [
+        {"batch": 1, "spec": None, "exact_match": 1.0, "prefix_tokens": 1.0,
+         "identical_to_first_nonspec": True},
+        {"batch": 8, "spec": fa.ngram_spec(64), "exact_match": 0.25,
+         "prefix_tokens": 0.5, "identical_to_first_nonspec": False,
+         "spec_metrics": {"vllm:spec_decode_num_drafts": 10,
+                          "vllm:spec_decode_num_draft_tokens": 640,
+                          "vllm:spec_decode_num_accepted_tokens": 64}},
+        {"batch": 8, "spec": fa.ngram_spec(64), "error": "boom"},
+    ]  # fmt: skip
+    table = fa.summary_table([("fork", rows[:1]), ("fork", rows[1:])])
+    lines = table.splitlines()
+    assert len(lines) == 2 + 3
+    assert "| fork | v1 | False | none | 0 | 1 | 1.000 | 1.000 | True |" in lines[2]
+    assert lines[3].endswith("| 0.250 | 0.500 | False | 10 | 0.100 |")
+    assert "| error |" in lines[4]

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from harness.equivalence import make_prompts
-from harness.models import write_model
+from harness.models import KINDS, write_model
 
 
 def _digest(path):
     return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_fixture_is_deterministic(tmp_path, kind):
     a = write_model(kind, tmp_path / "a", seed=3)
     b = write_model(kind, tmp_path / "b", seed=3)
@@ -26,15 +26,23 @@ def test_fixture_is_deterministic(tmp_path, kind):
     assert (a / "config.json").read_bytes() == (b / "config.json").read_bytes()
 
 
+HF_CLASS = {
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "nemotron_h": "NemotronHForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+}
+
+
 def _load(kind, path):
-    if kind == "qwen3_5":
-        from transformers import Qwen3_5ForConditionalGeneration as cls
-    else:
-        from transformers import NemotronHForCausalLM as cls
+    import transformers
+
+    cls = getattr(transformers, HF_CLASS[kind])
     return cls.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_greedy_margins_are_decisive_and_output_repeats(tmp_path, kind):
     model = _load(kind, write_model(kind, tmp_path / "m"))
     gaps, hits, total = [], 0, 0

@@ -1,0 +1,331 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Generated tiny models, checkpoint side: the weights round-trip through
+transformers exactly, the Qwen3-Next MTP and Kimi-Linear layouts are the
+published ones, and vLLM's own model classes (built on the CPU, in a
+subprocess) load every parameter from each fixture.
+
+Run as a script (``python tests/test_harness_models_more.py SPECS``) this
+file is that subprocess: vLLM on a CPU-only host with no device build
+resolves no platform, so the check stands in an attention backend name, a
+CPU device, an MoE backend and an MLA prefill backend for what vLLM's
+constructors ask of the platform; it runs no forward pass.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.models import FIXTURES, KINDS, build_model, main, write_model
+
+REPO = Path(__file__).resolve().parent.parent
+NEW_KINDS = ["qwen3_next", "kimi_linear", "granitemoehybrid"]
+
+
+def _tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+# -- tests -------------------------------------------------------------------
+
+
+def test_registry_and_cli(tmp_path):
+    assert set(KINDS) == set(FIXTURES) >= {"qwen3_5", "nemotron_h", *NEW_KINDS}
+    for kind in NEW_KINDS:
+        main([kind, str(tmp_path / kind), "--seed", "1"])
+        cfg = json.loads((tmp_path / kind / "config.json").read_text())
+        assert cfg["architectures"] == [FIXTURES[kind]["architecture"]]
+        info = json.loads((tmp_path / kind / "fixture.json").read_text())
+        assert info["kind"] == kind and info["seed"] == 1
+        assert info["mtp"] == FIXTURES[kind]["mtp"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoint_round_trips_through_transformers(tmp_path, kind):
+    """The checkpoint names are the ones transformers' conversion loads back
+    (fused experts, Kimi-Linear's split conv and renamed MoE): nothing
+    missing, unexpected or reshaped, and every weight equal to the model's
+    that wrote it."""
+    import torch
+    import transformers
+
+    path = write_model(kind, tmp_path / "m", seed=5)
+    _, ref = build_model(kind, seed=5)
+    cls = getattr(transformers, type(ref).__name__)
+    model, info = cls.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info[k] for k in info), info
+    got = model.state_dict()
+    want = ref.state_dict()
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["dtype"] == FIXTURES[kind]["dtype"]
+
+
+def test_qwen3_next_mtp_layout(tmp_path):
+    """``mtp.*`` as vLLM's Qwen3NextMTP loads it: the fusion fc, three norms
+    and one full-attention MoE decoder layer shaped like the model's."""
+    path = write_model("qwen3_next", tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 1
+    t = _tensors(path)
+    full = cfg["layer_types"].index("full_attention")
+    layer = {
+        k[len(f"model.layers.{full}.") :]: v.shape
+        for k, v in t.items()
+        if k.startswith(f"model.layers.{full}.")
+    }
+    mtp = {k: v.shape for k, v in t.items() if k.startswith("mtp.")}
+    h = cfg["hidden_size"]
+    expected = {f"mtp.layers.0.{k}": s for k, s in layer.items()}
+    expected["mtp.fc.weight"] = (h, 2 * h)
+    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        expected[f"mtp.{norm}.weight"] = (h,)
+    assert mtp == expected
+    # one MoE layer: router, per-expert projections, shared expert and gate
+    n = cfg["num_experts"]
+    assert mtp["mtp.layers.0.mlp.gate.weight"] == (n, h)
+    for e in range(n):
+        for w in ("gate_proj", "up_proj", "down_proj"):
+            assert f"mtp.layers.0.mlp.experts.{e}.{w}.weight" in mtp
+    assert "mtp.layers.0.mlp.shared_expert_gate.weight" in mtp
+    assert "mtp.layers.0.self_attn.q_norm.weight" in mtp
+
+    plain = write_model("qwen3_next", tmp_path / "plain", mtp=False)
+    assert not any(k.startswith("mtp.") for k in _tensors(plain))
+    cfg = json.loads((plain / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 0
+
+
+def test_kimi_linear_layout(tmp_path):
+    """Published Kimi-Linear names: KDA with separate q/k/v short convs and
+    the forget gate's f_a/f_b, A_log and dt_bias on ``self_attn``; MLA
+    without q LoRA; layer 0 a dense ``mlp``, later layers
+    ``block_sparse_moe`` with experts w1/w2/w3, a shared expert and a
+    router with its score-correction bias."""
+    path = write_model("kimi_linear", tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    la = cfg["linear_attn_config"]
+    t = {k: tuple(v.shape) for k, v in _tensors(path).items()}
+    h, d, nh = cfg["hidden_size"], la["head_dim"], la["num_heads"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        if i + 1 in la["kda_layers"]:
+            for c in ("q", "k", "v"):
+                assert t[p + f"self_attn.{c}_conv1d.weight"] == (
+                    nh * d, 1, la["short_conv_kernel_size"],
+                )  # fmt: skip
+            assert t[p + "self_attn.A_log"] == (1, 1, nh, 1)
+            assert t[p + "self_attn.dt_bias"] == (nh * d,)
+            assert t[p + "self_attn.f_a_proj.weight"] == (d, h)
+            assert t[p + "self_attn.f_b_proj.weight"] == (nh * d, d)
+            assert t[p + "self_attn.b_proj.weight"] == (nh, h)
+            assert not any(k.startswith(p + "self_attn.forget_gate") for k in t)
+        else:
+            assert i + 1 in la["full_attn_layers"]
+            r, kv = cfg["qk_rope_head_dim"], cfg["kv_lora_rank"]
+            assert t[p + "self_attn.kv_a_proj_with_mqa.weight"] == (kv + r, h)
+            assert t[p + "self_attn.kv_a_layernorm.weight"] == (kv,)
+            assert p + "self_attn.q_proj.weight" in t
+        if i < cfg["first_k_dense_replace"]:
+            assert t[p + "mlp.gate_proj.weight"] == (cfg["intermediate_size"], h)
+            assert not any(k.startswith(p + "block_sparse_moe.") for k in t)
+        else:
+            m = p + "block_sparse_moe."
+            assert t[m + "gate.weight"] == (cfg["num_experts"], h)
+            assert t[m + "gate.e_score_correction_bias"] == (cfg["num_experts"],)
+            inter = cfg["moe_intermediate_size"]
+            for e in range(cfg["num_experts"]):
+                assert t[m + f"experts.{e}.w1.weight"] == (inter, h)
+                assert t[m + f"experts.{e}.w2.weight"] == (h, inter)
+                assert t[m + f"experts.{e}.w3.weight"] == (inter, h)
+            assert t[m + "shared_experts.gate_proj.weight"] == (inter, h)
+            assert not any(k.startswith(p + "mlp.") for k in t)
+
+
+def _vllm_specs():
+    specs = []
+    for kind, fx in FIXTURES.items():
+        specs.append((kind, fx["architecture"], fx["dtype"]))
+        if fx["mtp"]:
+            specs.append((kind, fx["mtp_architecture"], fx["dtype"]))
+    return specs
+
+
+@pytest.fixture(scope="module")
+def vllm_results(tmp_path_factory):
+    """One subprocess checks every fixture and architecture."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed here")
+    tmp_dir = tmp_path_factory.mktemp("vllm-load")
+    specs = []
+    for kind, arch, dtype in _vllm_specs():
+        path = tmp_dir / kind
+        if not path.exists():
+            write_model(kind, path)
+        specs.append([kind, str(path), arch, dtype])
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
+        HSFORK_CPU_TESTBED="0",
+        CUDA_VISIBLE_DEVICES="",
+        VLLM_LOGGING_LEVEL="ERROR",
+    )
+    proc = subprocess.run(
+        [sys.executable, __file__, json.dumps(specs)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        raise AssertionError(
+            f"vLLM load check failed (rc {proc.returncode}):\n" + proc.stderr[-6000:]
+        )
+    return {(r["kind"], r["arch"]): r for r in json.loads(lines[-1][7:])}
+
+
+@pytest.mark.parametrize("spec", _vllm_specs(), ids=lambda s: f"{s[0]}-{s[1]}")
+def test_vllm_model_loads_every_parameter(vllm_results, spec):
+    """vLLM's class for the architecture (MTP drafters included), built on
+    the CPU from the fixture's config.json, takes every checkpoint tensor
+    (its loader raises on an unknown name or a wrong shape) and has every
+    element of every parameter written (parameters are NaN before)."""
+    r = vllm_results[spec[:2]]
+    if r["skip"]:
+        pytest.skip(r["skip"])
+    assert r["error"] is None, r["error"]
+    assert r["unloaded"] == [], r["unloaded"]
+    assert r["unexpected"] == [], r["unexpected"]
+    assert r["nan"] == [], r["nan"]
+    assert r["params"] > 10
+
+
+# -- the subprocess ----------------------------------------------------------
+
+
+def _stand_in_platform() -> str | None:
+    """Make vLLM's constructors work on an unresolved (no-device) platform;
+    None, or why the check cannot run here."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import UnspecifiedPlatform
+
+    if not isinstance(current_platform, UnspecifiedPlatform):
+        return f"needs vLLM's unresolved CPU platform, not {current_platform}"
+    import vllm.model_executor.layers.attention.mla_attention as mla
+    import vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method as um
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
+        UnquantizedMoeBackend,
+    )
+
+    def backend(selected_backend, attn_selector_config, num_heads=None):
+        if attn_selector_config.use_mla:
+            return "vllm.v1.attention.backends.mla.triton_mla.TritonMLABackend"
+        return "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend"
+
+    platform = type(current_platform)
+    platform.get_attn_backend_cls = staticmethod(backend)
+    platform.current_device = staticmethod(lambda: torch.device("cpu"))
+    platform.num_compute_units = staticmethod(lambda device_id=0: 1)
+    um.select_unquantized_moe_backend = lambda moe_config: (
+        UnquantizedMoeBackend.TRITON,
+        None,
+    )
+    mla.get_mla_prefill_backend = lambda vllm_config: lambda **kw: None
+    return None
+
+
+def _check(path: str, arch: str, dtype: str, init) -> dict:
+    import torch
+    from safetensors.torch import safe_open
+    from vllm.config import (
+        DeviceConfig,
+        ModelConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    mc = ModelConfig(
+        model=path, dtype=dtype, skip_tokenizer_init=True, enforce_eager=True
+    )
+    vc = VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(vc):
+        init()
+        cls, _ = ModelRegistry.resolve_model_cls([arch], mc)
+        with torch.device("cpu"):
+            model = cls(vllm_config=vc, prefix="")
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for p in params.values():
+                if p.is_floating_point():
+                    p.fill_(float("nan"))
+        with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
+            weights = [(k, f.get_tensor(k)) for k in f.keys()]  # noqa: SIM118
+        loaded = model.load_weights(iter(weights))
+
+    # some loaders report FusedMoE weights without the ``routed_experts``
+    # module in the name
+    def norm(names):
+        return {n.replace(".routed_experts.", ".") for n in names}
+
+    names, loaded = norm(params), norm(loaded)
+    return {
+        "unloaded": sorted(names - loaded),
+        "unexpected": sorted(loaded - names),
+        "nan": sorted(n for n, p in params.items() if p.isnan().any()),
+        "params": len(params),
+    }
+
+
+def _subprocess_main(specs: list) -> None:
+    results = []
+    why = _stand_in_platform()
+    state = {"init": False}
+
+    def init():
+        """Under the model's config: the groups depend on it (an expert
+        parallel group only for MoE models)."""
+        from vllm.distributed import (
+            init_distributed_environment,
+            initialize_model_parallel,
+        )
+        from vllm.distributed.parallel_state import destroy_model_parallel
+
+        if state["init"]:
+            destroy_model_parallel()
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{port}",
+            )  # fmt: skip
+            state["init"] = True
+        initialize_model_parallel(1, 1)
+
+    for kind, path, arch, dtype in specs:
+        r = {"kind": kind, "arch": arch, "error": None, "skip": why}
+        if why is None:
+            try:
+                r.update(_check(path, arch, dtype, init))
+            except Exception as e:  # reported per architecture
+                r["error"] = f"{type(e).__name__}: {e}"
+        results.append(r)
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    _subprocess_main(json.loads(sys.argv[1]))
