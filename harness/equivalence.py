@@ -163,6 +163,12 @@ def spec_config(cell: Cell) -> dict | None:
     if cell.drafter == "mtp":
         return {"method": "mtp", "num_speculative_tokens": cell.k}
     if cell.drafter.startswith("scripted:"):
+        if cell.runner == "mrv2":
+            # MRV2 has no custom_class method: the MTP speculator's drafts are
+            # replaced by the script (harness.drafter_mrv2)
+            from .drafter_mrv2 import spec_config as mrv2_spec
+
+            return mrv2_spec(cell.k)
         return {
             "method": "custom_class",
             "model": "harness.drafter.ScriptedProposer",
@@ -189,7 +195,13 @@ def _shutdown(llm) -> None:
 def _engine(cell: Cell, model_dir: str):
     from vllm import LLM
 
+    from . import drafter_mrv2
+
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if cell.runner == "mrv2" else "0"
+    if cell.runner == "mrv2" and cell.drafter.startswith("scripted:"):
+        drafter_mrv2.install()  # HSFORK_SCRIPT is set by _scripted_env
+    else:
+        drafter_mrv2.uninstall()  # a later MTP cell must not be scripted
     return LLM(**engine_kwargs(cell, model_dir, spec_config(cell)))
 
 
@@ -568,6 +580,20 @@ def _fastapply_matrix(runner: str) -> list[Cell]:
         Cell(fa, "mtp", 3, 8, runner, "align", fp, async_sched=True, max_tokens=mt),
         Cell(fa, "ngram", 64, 8, runner, max_tokens=mt),
         Cell(fa, "ngram", 64, 64, runner, "align", max_tokens=mt),
+        # scripted drafts (sync scheduling: true zero-draft rows on MRV2 too)
+        Cell(fa, "scripted:accept_then_zero", 3, 8, runner, max_tokens=mt),
+        Cell(fa, "scripted:heterogeneous", 3, 16, runner, "align", max_tokens=mt),
+        Cell(fa, "scripted:boundary", 3, 8, runner, "align", max_tokens=mt),
+        Cell(
+            fa,
+            "scripted:all_accept",
+            3,
+            64,
+            runner,
+            "align",
+            async_sched=True,
+            max_tokens=mt,
+        ),  # fmt: skip
     ]
     if runner not in ("v1", "mrv2"):
         raise ValueError(f"unknown runner {runner}")
