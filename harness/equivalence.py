@@ -50,6 +50,7 @@ class Cell:
     preempt: bool = False  # small KV cache
     dtype: str = "bfloat16"
     max_tokens: int = 96
+    kv_cache_dtype: str = "auto"  # e.g. a TurboQuant preset
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     def key(self) -> dict:
@@ -65,6 +66,7 @@ class Cell:
             "chunked": self.chunked,
             "preempt": self.preempt,
             "dtype": self.dtype,
+            "kv_cache_dtype": self.kv_cache_dtype,
         }
 
 
@@ -138,12 +140,18 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
     else:
         kw["enable_prefix_caching"] = False
     if cell.chunked:
-        kw["max_num_batched_tokens"] = 64
+        # align mode needs a budget of at least one block (80-144 tokens for
+        # the fixtures)
+        kw["max_num_batched_tokens"] = 64 if cell.cache_mode == "none" else 160
         kw["enable_chunked_prefill"] = True
     if cell.preempt:
         # 24 blocks hold a few requests of at most 512 tokens, not the batch
         kw["num_gpu_blocks_override"] = 24
         kw["max_model_len"] = 512
+    if cell.kv_cache_dtype != "auto":
+        # TurboQuant presets pick their own attention backend
+        kw["kv_cache_dtype"] = cell.kv_cache_dtype
+        kw.pop("attention_backend")
     if spec:
         kw["speculative_config"] = spec
     kw.update(cell.extra)
@@ -265,14 +273,16 @@ def generate(cell: Cell, model_dir: str, waves, logprobs: int | None):
         _shutdown(llm)
 
 
-def teacher_forced(model: str, dtype: str, model_dir: str, seqs):
+def teacher_forced(
+    model: str, dtype: str, model_dir: str, seqs, kv_cache_dtype: str = "auto"
+):
     """Reference top-2 at every continuation position of each
     ``(prompt, continuation)``: one non-speculative prefill with
     ``prompt_logprobs=2``."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    cell = Cell(model, "none", 0, len(seqs), dtype=dtype)
+    cell = Cell(model, "none", 0, len(seqs), dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     llm = _engine(cell, model_dir)
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
@@ -358,7 +368,8 @@ def run_cells(
 
     start = time.time()
     rows: list[dict] = []
-    pending: dict[tuple, list] = {}  # (model, dtype) -> [(row, prompts, cands)]
+    # (model, dtype, kv cache dtype) -> [(row, prompts, cands, rkey)]
+    pending: dict[tuple, list] = {}
     refs: dict[tuple, tuple] = {}
     models: dict[str, str] = {}
     for n_done, cell in enumerate(cells):
@@ -384,10 +395,12 @@ def run_cells(
             model_dir = models[cell.model]
             n = max(n_prompts, cell.batch)
             two_waves = cell.cache_mode == "align"
-            rkey = (cell.model, cell.dtype, n, cell.max_tokens, two_waves)
+            rkey = (cell.model, cell.dtype, n, cell.max_tokens, two_waves,
+                    cell.kv_cache_dtype)  # fmt: skip
             if rkey not in refs:
                 ref_cell = Cell(cell.model, "none", 0, n, dtype=cell.dtype,
-                                max_tokens=cell.max_tokens)  # fmt: skip
+                                max_tokens=cell.max_tokens,
+                                kv_cache_dtype=cell.kv_cache_dtype)  # fmt: skip
                 waves = [cell_prompts(cell.model, n, seed)]
                 outs, _ = generate(ref_cell, model_dir, waves, logprobs=2)
                 if two_waves:
@@ -415,9 +428,9 @@ def run_cells(
                     for _, _, _, nd in json.loads(line):
                         counts[nd] = counts.get(nd, 0) + 1
                 row["drafts_per_step"] = {str(k): v for k, v in sorted(counts.items())}
-            pending.setdefault((cell.model, cell.dtype), []).append(
-                (row, prompts, cands, rkey)
-            )
+            pending.setdefault(
+                (cell.model, cell.dtype, cell.kv_cache_dtype), []
+            ).append((row, prompts, cands, rkey))
             row["status"] = "pending"
         except Exception as e:  # noqa: BLE001
             _error_row(row, e)
@@ -425,10 +438,10 @@ def run_cells(
 
     # verification: the reference teacher-forced on every candidate, and on
     # its own tokens to measure the kernel-path noise
-    for (model, dtype), items in pending.items():
+    for (model, dtype, kv), items in pending.items():
         seqs, owners = [], []
         for rkey, (_ref_pos, ref_tokens, waves) in refs.items():
-            if rkey[:2] == (model, dtype):
+            if rkey[:2] == (model, dtype) and rkey[5] == kv:
                 prompts = [p for w in waves for p in w]
                 seqs += list(zip(prompts, ref_tokens, strict=True))
                 owners += [("ref", rkey, i) for i in range(len(prompts))]
@@ -436,7 +449,7 @@ def run_cells(
             seqs += list(zip(prompts, cands, strict=True))
             owners += [("cell", j, i) for i in range(len(prompts))]
         try:
-            forced = teacher_forced(model, dtype, models[model], seqs)
+            forced = teacher_forced(model, dtype, models[model], seqs, kv)
         except Exception as e:  # noqa: BLE001
             for row, *_ in items:
                 _error_row(row, e)
@@ -502,6 +515,8 @@ def slice_cells(name: str) -> list[Cell]:
         return _v1_matrix(name.removeprefix("v1-matrix-"))
     if name.startswith("fa-"):
         return _fastapply_matrix(name.removeprefix("fa-"))
+    if name.startswith("tq-"):
+        return _turboquant_matrix(name.removeprefix("tq-"))
     raise ValueError(f"unknown slice {name}")
 
 
@@ -595,6 +610,43 @@ def _fastapply_matrix(runner: str) -> list[Cell]:
             max_tokens=mt,
         ),  # fmt: skip
     ]
+    if runner not in ("v1", "mrv2"):
+        raise ValueError(f"unknown runner {runner}")
+    return cells
+
+
+TURBOQUANT = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+              "turboquant_3bit_nc")  # fmt: skip
+
+
+def _turboquant_matrix(runner: str) -> list[Cell]:
+    """TurboQuant KV cache (issue 6) on the fast-apply fixture: MTP k=3 with
+    FULL_AND_PIECEWISE CUDA graphs and async scheduling (the reported
+    failure) for every preset, then eager, sync, and n-gram (V1) neighbours
+    for one preset. The reference runs with the same KV cache dtype."""
+    fa, fp, mt = FASTAPPLY, "full_and_piecewise", 128
+    cells = [
+        Cell(
+            fa,
+            "mtp",
+            3,
+            8,
+            runner,
+            graphs=fp,
+            async_sched=True,
+            max_tokens=mt,
+            kv_cache_dtype=d,
+        )  # fmt: skip
+        for d in TURBOQUANT
+    ]
+    d = TURBOQUANT[0]
+    cells += [
+        Cell(fa, "mtp", 3, 8, runner, async_sched=True, max_tokens=mt,
+             kv_cache_dtype=d),
+        Cell(fa, "mtp", 1, 8, runner, graphs=fp, max_tokens=mt, kv_cache_dtype=d),
+        Cell(fa, "ngram", 8, 8, runner, graphs=fp, max_tokens=mt, kv_cache_dtype=d),
+        Cell(fa, "ngram", 8, 8, runner, max_tokens=mt, kv_cache_dtype=d),
+    ]  # fmt: skip
     if runner not in ("v1", "mrv2"):
         raise ValueError(f"unknown runner {runner}")
     return cells

@@ -145,3 +145,53 @@ def write_report(cells: list[dict], outdir: Path, run: str) -> dict[str, Path]:
     paths["md"].write_text(markdown(cells, f"Equivalence report: {run}"))
     heatmap(cells, paths["png"], run)
     return paths
+
+
+# ---------------------------------------------------------------------------
+# fork vs upstream side by side
+
+SIDE_KEY = ("model", "runner", "drafter", "k", "batch", "cache_mode", "graphs",
+            "async", "chunked", "preempt", "kv_cache_dtype")  # fmt: skip
+_RANK = {"ok": 3, "diverged": 3, "error": 1, "rejected": 0}
+
+
+def side_by_side(files: Iterable[str | Path]) -> str:
+    """Markdown table with one line per cell and one column per variant
+    (``upstream`` if the file name says so, else ``fork``): a completed
+    result (ok/diverged) wins over an error or a rejection of the same cell
+    in another file; the source file is named."""
+    rows: dict[tuple, dict[str, tuple[dict, str]]] = {}
+    for f in files:
+        name = Path(f).name
+        v = "upstream" if "upstream" in name else "fork"
+        for c in json.loads(Path(f).read_text()):
+            key = tuple(c.get(k) for k in SIDE_KEY)
+            old = rows.setdefault(key, {}).get(v)
+            if old is None or _RANK[c["status"]] > _RANK[old[0]["status"]]:
+                rows[key][v] = (c, name)
+
+    def cell(x) -> str:
+        if x is None:
+            return "–"
+        c, name = x
+        s = c["status"]
+        if s in ("ok", "diverged"):
+            txt = f"**{s}**" if s == "diverged" else s
+            return (f"{txt}: {c['divergences']} div, {c['ties']} ties / "
+                    f"{c['tokens']} tok <sub>{name}</sub>")  # fmt: skip
+        return f"{s} <sub>{name}</sub>"
+
+    lines = [
+        "| " + " | ".join(SIDE_KEY) + " | fork | upstream v0.26.0 |",
+        "|" + "---|" * (len(SIDE_KEY) + 2),
+    ]
+    for key, v in rows.items():
+        lines.append("| " + " | ".join(map(str, key)) + f" | {cell(v.get('fork'))}"
+                     f" | {cell(v.get('upstream'))} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(side_by_side(sys.argv[1:]), end="")

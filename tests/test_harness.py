@@ -273,7 +273,7 @@ def test_run_cells_orchestration_with_a_fake_engine(tmp_path, monkeypatch):
             outs.append(Out(toks, lps if logprobs else None))
         return outs, {"vllm:spec_decode_num_drafts": 1}
 
-    def fake_forced(model, dtype, model_dir, seqs):
+    def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto"):
         res = []
         for p, c in seqs:
             full = list(p) + list(c)
@@ -350,3 +350,20 @@ def test_v1_matrix_parts_cover_the_issue_dimensions():
     assert {c.cache_mode for c in cells} == {"none", "align"}
     assert {c.graphs for c in cells} == {"eager", "full_and_piecewise"}
     assert max(c.batch for c in cells) == 64
+
+
+def test_side_by_side_prefers_completed_results(tmp_path):
+    from harness.report import side_by_side
+
+    base = {"model": "qwen3_5", "runner": "v1", "drafter": "ngram", "k": 5,
+            "batch": 8, "cache_mode": "none", "graphs": "eager", "async": False,
+            "tokens": 10, "divergences": 0, "ties": 0}  # fmt: skip
+    (tmp_path / "a-fork.json").write_text(json.dumps([{**base, "status": "error"}]))
+    (tmp_path / "b-fork.json").write_text(json.dumps([{**base, "status": "ok"}]))
+    bad = {**base, "status": "diverged", "divergences": 3}
+    (tmp_path / "a-upstream.json").write_text(json.dumps([bad]))
+    table = side_by_side(sorted(tmp_path.glob("*.json")))
+    lines = table.splitlines()
+    assert len(lines) == 3
+    assert "ok: 0 div, 0 ties / 10 tok <sub>b-fork.json</sub>" in lines[2]
+    assert "**diverged**: 3 div" in lines[2] and "a-upstream.json" in lines[2]

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Run tests of the fork's tests/ tree on a GPU host, for the fork and for
+# upstream v0.26.0 (the fork's site with the series reversed), one after the
+# other: logs in $OUT/logs/unit-VARIANT.log, a pass/fail line each printed.
+#
+#   bash harness/gpu_unit_tests.sh "fork upstream" v1/worker/test_x.py ...
+#
+# Test paths are relative to the fork's tests/ (the bundle's repo/fork-tests).
+set -u
+R=$PWD
+OUT=${OUT:-$R/out}
+mkdir -p "$OUT/logs"
+# shellcheck disable=SC1091
+source "$R/harness/upstream_site.sh"
+VARIANTS=$1
+shift
+# the fork's tests import themselves as the package `tests`
+mkdir -p /tmp/forkroot && ln -sfn /tmp/hybridspec/repo/fork-tests /tmp/forkroot/tests
+TESTS=()
+for t in "$@"; do TESTS+=("tests/$t"); done
+if [[ " $VARIANTS " == *" upstream "* ]]; then make_upstream_site || exit 1; fi
+for v in $VARIANTS; do
+  (cd /tmp/forkroot && PYTHONPATH=/tmp/forkroot:$(site_pythonpath "$v") \
+    timeout 300 python3 -m pytest -p no:cacheprovider -q -rfE "${TESTS[@]}" \
+    > "$OUT/logs/unit-$v.log" 2>&1)
+  echo "== $v: $(grep -E '(passed|failed|error)' "$OUT/logs/unit-$v.log" | tail -1)"
+  grep -E '^(FAILED|ERROR)' "$OUT/logs/unit-$v.log" | cut -c1-200
+done
