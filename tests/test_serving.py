@@ -1,0 +1,915 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Serving end to end (issue 7), the CPU side: the trained BPE tokenizer,
+the 9B-shaped checkpoint writer (a shrunk config with the real layout and
+vocabulary), the fast-apply chat round trip through vLLM's own renderer and
+detokenizer, ``serve_check`` against fake OpenAI-compatible servers
+(``serving.fake_server``: right, wrong, tie-flipping, failing and crashing
+candidates), the lm-eval task, and ``gpu_serve.sh`` as a dry run."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import fastapply as fa
+from serving import make_model as mm
+from serving import serve_check as sc
+from serving import tokenizer as tk
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+FAKE = f"{PY} -m serving.fake_server"
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO), env.get("PYTHONPATH", "")) if p
+    )
+    env.update(extra)
+    return env
+
+
+def _port() -> int:
+    """A free port with 20 free-looking ports after it (serve_check takes
+    consecutive ones)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+    return min(base, 64000)
+
+
+# -- tokenizer -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    info = tk.write(out, seed=0)
+    return out, info
+
+
+def test_tokenizer_is_deterministic_and_padded(tok_dir):
+    from tokenizers import Tokenizer
+
+    out, info = tok_dir
+    # seconds, same bytes from the same seed
+    again = tk.padded_json(tk.train(0))
+    text = json.dumps(again, ensure_ascii=False, separators=(",", ":"))
+    assert hashlib.sha256(text.encode()).hexdigest() == info["tokenizer_json_sha256"]
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert tok.get_vocab_size() == tk.VOCAB == 248320
+    assert 20000 < info["bpe_vocab"] <= tk.BPE_VOCAB
+    for i, s in tk.SPECIALS.items():
+        assert tok.token_to_id(s) == i
+        assert tok.id_to_token(i) == s
+    # every id decodes (a random model emits any of them); pads are text
+    assert tok.decode([100000]) == "[pad100000]"
+    assert tok.decode([tk.VOCAB - 1]) == f"[pad{tk.VOCAB - 1}]"
+    # code and prose round-trip, never through a padding entry
+    docs = tk.corpus(seed=9, n_docs=40) + ["ünïcode 🙂 tabs\there\r\n"]
+    for d in docs:
+        ids = tok.encode(d).ids
+        assert max(ids) < info["bpe_vocab"]
+        assert tok.decode(ids) == d
+    # a special token in the text is the special token
+    ids = tok.encode("a<|im_end|>b").ids
+    assert tk.IM_END_ID in ids
+
+
+def test_tokenizer_chat_template_and_qwen_class(tok_dir, tmp_path):
+    """transformers loads the directory (alone, and beside a qwen3_5
+    config.json, where transformers 5 picks Qwen3_5Tokenizer) with the same
+    ids and the ChatML template."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    out, _ = tok_dir
+    raw = Tokenizer.from_file(str(out / "tokenizer.json"))
+    both = tmp_path / "with-config"
+    both.mkdir()
+    for f in out.iterdir():
+        (both / f.name).write_bytes(f.read_bytes())
+    (both / "config.json").write_text(json.dumps(mm.tiny_config()))
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "def f(x):\n    return x"},
+    ]
+    want_text = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\ndef f(x):\n    return x<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    for d in (out, both):
+        t = AutoTokenizer.from_pretrained(str(d))
+        assert len(t) == tk.VOCAB
+        assert t.eos_token_id == tk.IM_END_ID
+        got = t.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        assert got == want_text
+        for doc in tk.corpus(seed=3, n_docs=10):
+            assert t.encode(doc, add_special_tokens=False) == raw.encode(doc).ids
+
+
+# -- checkpoint ------------------------------------------------------------
+
+
+def test_tensor_plan_of_the_9b_shape():
+    """The 9B plan: ~9.7 B parameters (vision tower and MTP included), the
+    published layout and inits, shards of at most 4 GiB."""
+    import math
+
+    cfg = mm.qwen9b_config()
+    t = cfg["text_config"]
+    assert (t["hidden_size"], t["num_hidden_layers"], t["vocab_size"]) == (
+        4096,
+        32,
+        248320,
+    )
+    assert t["layer_types"].count("linear_attention") == 24
+    assert t["mtp_num_hidden_layers"] == 1
+    plan = mm.tensor_plan(cfg)
+    names = {n: (s, k, std) for n, s, k, std in plan}
+    params = sum(math.prod(s) for _, s, _, _ in plan)
+    assert 9.5e9 < params < 9.9e9
+    assert names["model.language_model.embed_tokens.weight"][0] == (248320, 4096)
+    assert names["lm_head.weight"][0] == (248320, 4096)
+    assert names["mtp.fc.weight"][0] == (4096, 8192)
+    assert names["mtp.layers.0.self_attn.q_proj.weight"][0] == (8192, 4096)
+    p0 = "model.language_model.layers.0."
+    assert names[p0 + "linear_attn.A_log"][1] == "a_log"
+    assert names[p0 + "linear_attn.dt_bias"][1] == "ones"
+    assert names[p0 + "linear_attn.norm.weight"][1] == "ones"
+    assert names[p0 + "input_layernorm.weight"][1] == "zeros"
+    assert names[p0 + "mlp.down_proj.weight"][2] == pytest.approx(0.02 / 8)
+    shards = mm.shard_plan(plan)
+    assert all(
+        sum(math.prod(s) * 2 for _, s, _, _ in sh) <= mm.SHARD_BYTES for sh in shards
+    )
+    assert sum(len(sh) for sh in shards) == len(plan)
+
+
+def test_sharded_checkpoint_reads_back(tmp_path):
+    """Sharded files and the index as transformers writes them; every
+    tensor readable, bf16, with the planned init."""
+    import torch
+    from safetensors import safe_open
+
+    cfg = mm.tiny_config()
+    res = mm.write_random_checkpoint(
+        cfg, tmp_path, device="cpu", seed=1, shard_bytes=8 << 20, log=lambda s: None
+    )
+    assert res["shards"] > 2
+    idx = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    plan = {n: (s, k) for n, s, k, _ in mm.tensor_plan(cfg)}
+    assert set(idx["weight_map"]) == set(plan)
+    assert idx["metadata"]["total_size"] == res["bytes"]
+    for fname in set(idx["weight_map"].values()):
+        with safe_open(str(tmp_path / fname), "pt") as f:
+            for k in f.keys():  # noqa: SIM118
+                t = f.get_tensor(k)
+                assert idx["weight_map"][k] == fname
+                assert t.dtype == torch.bfloat16 and tuple(t.shape) == plan[k][0]
+                kind = plan[k][1]
+                if kind == "zeros":
+                    assert not t.any()
+                elif kind == "ones":
+                    assert (t == 1).all()
+                elif kind == "a_log":
+                    assert (t.float() >= 0).all() and (t.float() <= 2.78).all()
+                elif t.numel() > 1000:
+                    assert 0.001 < t.float().std() < 0.05
+
+
+@pytest.fixture(scope="module")
+def tiny9(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny9") / "m"
+    mm.write_qwen9b(out, device="cpu", cfg=mm.tiny_config(), log=lambda s: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fastapply_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fa") / "m"
+    mm.write_fastapply(out)
+    return out
+
+
+def test_tiny_9b_dir_loads_in_transformers(tiny9):
+    import torch
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    files = {p.name for p in tiny9.iterdir()}
+    assert {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors",
+    } <= files
+    gen = json.loads((tiny9 / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [tk.IM_END_ID, tk.ENDOFTEXT_ID]
+    model, info = Qwen3_5ForConditionalGeneration.from_pretrained(
+        str(tiny9), dtype=torch.bfloat16, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+
+
+VLLM_SCRIPT = r"""
+import json, sys
+from types import SimpleNamespace
+from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+from vllm.renderers.params import ChatParams
+from vllm.renderers.registry import renderer_from_config
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+from harness import fastapply as fa
+from serving.make_model import prompt_text
+
+fa_dir, tiny9 = sys.argv[1], sys.argv[2]
+out = {}
+
+def renderer(model, tok):
+    mc = ModelConfig(model=model, tokenizer=tok, language_model_only=True,
+                     limit_mm_per_prompt={"image": 0, "video": 0},
+                     max_model_len=2048)
+    return renderer_from_config(
+        VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu")))
+
+gen = ChatParams(chat_template_kwargs={"add_generation_prompt": True})
+for name, tok in (("subdir", fa_dir + "/tokenizer"), ("model_dir", fa_dir)):
+    r = renderer(fa_dir, tok)
+    rows = []
+    for p, ans in fa.make_eval_set(6, 0):
+        text = prompt_text(p)
+        _, chat = r.render_chat([[{"role": "user", "content": text}]], gen)
+        parts = [{"type": "text", "text": text}]
+        _, chat2 = r.render_chat([[{"role": "user", "content": parts}]], gen)
+        cmpl = r.render_cmpl([{"prompt": text}])
+        req = SimpleNamespace(request_id="x", prompt_token_ids=list(p),
+                              sampling_params=SamplingParams(max_tokens=200))
+        det = IncrementalDetokenizer.from_new_request(r.get_tokenizer(), req)
+        for i, t in enumerate(ans):
+            det.update([t], stop_terminated=i == len(ans) - 1)
+        rows.append({
+            "chat": chat[0]["prompt_token_ids"] == list(p),
+            "chat_parts": chat2[0]["prompt_token_ids"] == list(p),
+            "cmpl": cmpl[0]["prompt_token_ids"] == list(p),
+            "text": det.get_next_output_text(True, False)
+                    == " " + prompt_text(ans[:-1]),
+        })
+    out[name] = rows
+r = renderer(tiny9, tiny9)
+msgs = [{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "def f(x):\n    return x"}]
+_, chat = r.render_chat([msgs], gen)
+out["tiny9_chat"] = chat[0]["prompt_token_ids"]
+out["tiny9_cmpl"] = r.render_cmpl([{"prompt": "Hello world"}])[0]["prompt_token_ids"]
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def test_vllm_request_path_round_trips(fastapply_dir, tiny9, tmp_path):
+    """vLLM's own renderer (what the API server runs before the engine)
+    maps a fast-apply prompt sent as text, over completions and over chat
+    (string or OpenAI parts), to exactly the prompt's ids, and vLLM's
+    detokenizer turns the answer's ids into `` t<id> ...`` text, when the
+    tokenizer is served from ``OUT/tokenizer``. From the model directory
+    itself transformers 5 loads Qwen3_5Tokenizer and every word is lost
+    (why gpu_serve.sh passes ``--tokenizer``). The 9B-shaped directory's
+    chat prompt is the ChatML text encoded by our BPE."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed here")
+    from tokenizers import Tokenizer
+
+    script = tmp_path / "check.py"
+    script.write_text(VLLM_SCRIPT)
+    proc = subprocess.run(
+        [PY, str(script), str(fastapply_dir), str(tiny9)],
+        cwd=REPO,
+        env=_env(CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="ERROR"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stderr[-4000:]
+    res = json.loads(lines[-1][7:])
+    for row in res["subdir"]:
+        assert row == {"chat": True, "chat_parts": True, "cmpl": True, "text": True}
+    assert not any(r["cmpl"] or r["chat"] for r in res["model_dir"])
+    raw = Tokenizer.from_file(str(tiny9 / "tokenizer.json"))
+    want = raw.encode(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+        "def f(x):\n    return x<|im_end|>\n<|im_start|>assistant\n"
+    ).ids
+    assert res["tiny9_chat"] == want
+    assert res["tiny9_cmpl"] == raw.encode("Hello world").ids
+
+
+def test_vllm_loads_every_tiny_9b_parameter(tiny9):
+    """vLLM's Qwen3_5ForConditionalGeneration and Qwen3_5MTP, built on the
+    CPU, take every tensor of the written checkpoint (the harness's load
+    check, tests/test_harness_models_more.py, run as its subprocess)."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed here")
+    specs = [
+        ["q", str(tiny9), arch, "bfloat16"]
+        for arch in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MTP")
+    ]
+    proc = subprocess.run(
+        [PY, str(REPO / "tests" / "test_harness_models_more.py"), json.dumps(specs)],
+        cwd=REPO,
+        env=_env(
+            HSFORK_CPU_TESTBED="0", CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="ERROR"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stderr[-4000:]
+    for r in json.loads(lines[-1][7:]):
+        if r["skip"]:
+            pytest.skip(r["skip"])
+        assert r["error"] is None, r
+        assert r["unloaded"] == r["unexpected"] == r["nan"] == [], r
+
+
+# -- serve_check ---------------------------------------------------------------
+
+
+def test_parse_metrics_and_delta():
+    lab = 'engine="0",model_name="m"'
+    pp = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    text = f"""
+# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts counter
+vllm:spec_decode_num_drafts_total{{{lab}}} 10.0
+vllm:spec_decode_num_drafts_created{{{lab}}} 1.7e9
+vllm:spec_decode_num_draft_tokens_total{{{lab}}} 30.0
+vllm:spec_decode_num_accepted_tokens_total{{{lab}}} 18.0
+{pp}{{{lab},position="0"}} 9.0
+{pp}{{{lab},position="1"}} 6.0
+{pp}{{{lab},position="2"}} 3.0
+vllm:generation_tokens_total{{{lab}}} 99.0
+"""
+    after = sc.parse_metrics(text)
+    assert after["found"] and after["drafts"] == 10 and after["accepted"] == 18
+    before = sc.parse_metrics(text.replace("10.0", "4.0").replace("18.0", "6.0"))
+    d = sc.metrics_delta(before, after)
+    assert d["drafts"] == 6 and d["accepted"] == 12
+    assert d["mean_acceptance_length"] == 3.0
+    assert sc.metrics_delta(None, sc.parse_metrics("vllm:x_total 1")) is None
+
+
+def _res(ids, text=None, finish="length", top=None):
+    r = sc.new_result()
+    r.update(
+        token_ids=ids,
+        text=text or " ".join(map(str, ids)),
+        finish_reason=finish,
+        top=top or [],
+    )
+    return r
+
+
+def test_compare_judges_first_difference():
+    reqs = sc.build_requests("fastapply", 4, 0, 128)
+    ref = [
+        _res(
+            [1, 2, 3],
+            top=[[[1, -0.1], [9, -3]], [[2, -0.1], [7, -0.12]], [[3, -0.1], [4, -2]]],
+        )
+        for _ in reqs
+    ]
+    cand = [
+        _res([1, 2, 3]),  # match
+        _res([1, 7, 5]),  # second choice at a 0.02 gap: tie
+        _res([1, 2, 4]),  # second choice at a 1.9 gap: divergence
+        _res([1, 2, 3], text="1 2 3 extra"),  # same ids, other text
+    ]
+    rows = sc.compare(reqs, ref, cand, 0.05)
+    sc.finalize(rows)
+    assert [r["status"] for r in rows] == ["match", "tie", "diverged", "diverged"]
+    assert rows[1]["first"]["gap"] == pytest.approx(0.02)
+    s = sc.summarize(rows, 4)
+    assert s["verdict"] == "FAIL" and s["diverged"] == 2
+    assert sc.summarize(rows[:2], 2)["verdict"] == "PASS-TIES"
+    assert sc.summarize(rows[:1], 2)["verdict"] == "FAIL"  # one missing
+
+
+def test_request_sets_are_heterogeneous_and_fixed():
+    a = sc.build_requests("text", 64, 0, 128)
+    assert [asdict_(r) for r in a] == [asdict_(r) for r in sc.text_requests(64, 0)]
+    kinds = {r.kind for r in a}
+    assert kinds == {
+        "completions-full",
+        "completions-stream",
+        "chat-full",
+        "chat-stream",
+    }
+    assert len({r.max_tokens for r in a}) > 10
+    assert any(r.stop for r in a)
+    assert any(r.messages and len(r.messages) == 4 for r in a)
+    f = sc.build_requests("fastapply", 8, 0, 128)
+    p, ans = fa.make_eval_set(8, 0)[3]
+    assert (f[3].prompt or f[3].messages[0]["content"]) == mm.prompt_text(p)
+    assert f[3].expected == mm.prompt_text(ans[:-1])
+
+
+def asdict_(r):
+    from dataclasses import asdict
+
+    return asdict(r)
+
+
+def _serve_check(tmp_path, *args, prompts="text", mode="model", n=16):
+    out = tmp_path / "out"
+    argv = [
+        "--model",
+        str(tmp_path / "model"),
+        "--out",
+        str(out),
+        "--prompts",
+        prompts,
+        "--n",
+        str(n),
+        "--concurrency",
+        "8",
+        "--max-tokens",
+        "40",
+        "--deadline",
+        "90",
+        "--client-budget",
+        "30",
+        "--stagger",
+        "0",
+        "--port",
+        str(_port()),
+        "--engine-args",
+        "",
+        "--vllm-cmd",
+        f"{FAKE} --fake-mode {mode}",
+        *args,
+    ]
+    proc = subprocess.run(
+        [PY, "-m", "serving.serve_check", *argv],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    report = json.loads((out / "serve_check.json").read_text())
+    return proc, report, out
+
+
+def test_serve_check_against_fake_servers(tmp_path):
+    """Launch, health, 16 requests x 4 servers over both endpoints and both
+    stream modes, metrics, teacher-forced judging, report, shutdown: a right
+    candidate passes, one that flips only near-ties passes with ties, one
+    that emits a decisive wrong token fails, and the exit status says so."""
+    proc, report, out = _serve_check(
+        tmp_path,
+        "--server",
+        "ref=none",
+        "--server",
+        "good=ngram",
+        "--server",
+        "ties=mtp",
+        "--server",
+        "bad=ngram8",
+        "--server-args",
+        "ties=--fake-perturb ties",
+        "--server-args",
+        "bad=--fake-perturb decisive",
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cands = report["candidates"]
+    assert cands["good"]["summary"]["verdict"] == "PASS"
+    assert cands["good"]["summary"]["match"] == 16
+    assert cands["ties"]["summary"]["verdict"] == "PASS-TIES"
+    assert cands["ties"]["summary"]["tie"] > 0
+    bad = cands["bad"]["summary"]
+    assert bad["verdict"] == "FAIL" and bad["diverged"] > 0 and bad["error"] == 0
+    for row in cands["bad"]["rows"]:
+        if row["status"] == "diverged":
+            assert row["judged"] == "teacher-forced"
+            assert row["divergences"][0]["pos"] == 5
+    servers = {s["name"]: s for s in report["servers"]}
+    assert servers["ref"]["spec_metrics"] is None
+    m = servers["good"]["spec_metrics"]
+    assert m["mean_acceptance_length"] == 4.0 and m["drafts"] > 0
+    assert all(
+        s["errors"] == 0 and s["exit_code"] is not None for s in servers.values()
+    )
+    # each kind of request went to every server and came back whole
+    for r in servers["ref"]["results"]:
+        assert r["token_ids"] and r["prompt_token_ids"] and r["finish_reason"]
+        assert r["top"] and len(r["top"]) == len(r["token_ids"])
+    streamed = [
+        r
+        for q, r in zip(report["requests"], servers["good"]["results"], strict=True)
+        if q["stream"]
+    ]
+    assert streamed and all(r["chunks"] > 1 for r in streamed)
+    md = (out / "serve_check.md").read_text()
+    assert "Verdict: **FAIL**" in md and "| bad |" in md
+    assert (out / "logs" / "ref.log").exists()
+
+
+def test_serve_check_fastapply_failures_and_exact_match(tmp_path):
+    """Fast-apply prompts: the oracle fake answers every request right
+    (exact match 1.0, PASS); a candidate answering HTTP 500 to some
+    requests fails; a candidate that crashes at start is reported with its
+    log and fails, and the others are still compared."""
+    proc, report, _ = _serve_check(
+        tmp_path,
+        "--server",
+        "ref=none",
+        "--server",
+        "good=ngram",
+        "--server",
+        "flaky=mtp",
+        "--server",
+        "crash=mtp",
+        "--server-args",
+        "flaky=--fake-perturb fail",
+        "--server-args",
+        "crash=--fake-exit-s 0.2",
+        "--max-tokens",
+        "128",
+        prompts="fastapply",
+        mode="fastapply",
+    )
+    assert proc.returncode == 1
+    servers = {s["name"]: s for s in report["servers"]}
+    assert servers["ref"]["exact_match"] == 1.0
+    assert servers["good"]["exact_match"] == 1.0
+    c = report["candidates"]
+    assert c["good"]["summary"]["verdict"] == "PASS"
+    assert c["flaky"]["summary"]["verdict"] == "FAIL"
+    assert c["flaky"]["summary"]["error"] > 0
+    assert c["crash"]["summary"]["verdict"] == "FAIL" and "crash" in report["failed"]
+
+
+def test_serve_check_usage_errors(tmp_path):
+    proc = subprocess.run(
+        [
+            PY,
+            "-m",
+            "serving.serve_check",
+            "--model",
+            "x",
+            "--out",
+            str(tmp_path),
+            "--server",
+            "ref=none",
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "candidate" in proc.stderr
+    with pytest.raises(sc.CheckError):
+        sc.parse_spec("ngrm")
+    assert sc.parse_spec('{"method": "mtp", "num_speculative_tokens": 2}')["method"]
+    assert sc.parse_spec("none") is None
+
+
+# -- lm-eval ---------------------------------------------------------------
+
+TASK = REPO / "serving" / "lm_eval_task"
+
+
+def test_lm_eval_task_data():
+    """The JSONL is the generator's (64 held-out examples, seed 0), its
+    prompts and answers encode to the example's ids with the fixture's
+    tokenizer, and the YAML names the data loader and the metric."""
+    import yaml
+    from tokenizers import Tokenizer
+
+    sys.path.insert(0, str(TASK))
+    try:
+        import utils as task_utils  # the task's own module
+    finally:
+        sys.path.remove(str(TASK))
+    rows = task_utils.read()
+    assert rows == task_utils.rows(64, 0)
+    tok = Tokenizer.from_file(str(REPO / "fixtures" / "fastapply" / "tokenizer.json"))
+    for row, (p, ans) in zip(rows, fa.make_eval_set(64, 0), strict=True):
+        assert tok.encode(row["prompt"]).ids == p
+        assert tok.encode(row["answer"]).ids == ans[:-1]
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("!function", lambda loader, node: node.value)
+    cfg = yaml.load((TASK / "fastapply.yaml").read_text(), Loader=Loader)
+    assert cfg["task"] == "fastapply" and cfg["output_type"] == "generate_until"
+    assert cfg["custom_dataset"] == "utils.load_fastapply"
+    assert cfg["metric_list"][0]["metric"] == "exact_match"
+    assert cfg["generation_kwargs"]["max_gen_toks"] >= max(
+        r["answer_tokens"] for r in rows
+    )
+
+
+def _lm_eval_env():
+    """lm_eval importable? ``SERVING_LMEVAL_PATH`` (os.pathsep list) is
+    prepended, e.g. a target made by install_lm_eval.sh plus the host-image
+    packages the CPU venv lacks (pandas, pyarrow, sacrebleu, scikit-learn,
+    xxhash)."""
+    extra = os.environ.get("SERVING_LMEVAL_PATH", "")
+    env = _env()
+    if extra:
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], extra])
+    probe = subprocess.run(
+        [PY, "-c", "import lm_eval.api.metrics, datasets, pyarrow"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return env if probe.returncode == 0 else None
+
+
+@pytest.fixture(scope="module")
+def lm_eval_env():
+    env = _lm_eval_env()
+    if env is None:
+        pytest.skip("lm_eval not importable (set SERVING_LMEVAL_PATH)")
+    return env
+
+
+@pytest.fixture(scope="module")
+def fake_fastapply_servers():
+    procs, urls = [], {}
+    for name, perturb in (("good", "none"), ("bad", "decisive")):
+        port = _port()
+        procs.append(
+            subprocess.Popen(
+                [
+                    PY,
+                    "-m",
+                    "serving.fake_server",
+                    "m",
+                    "--port",
+                    str(port),
+                    "--fake-mode",
+                    "fastapply",
+                    "--fake-perturb",
+                    perturb,
+                    "--served-model-name",
+                    "model",
+                ],
+                cwd=REPO,
+                env=_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        urls[name] = f"http://127.0.0.1:{port}"
+    import time
+    import urllib.request
+
+    for url in urls.values():
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+    yield urls
+    for p in procs:
+        p.terminate()
+        p.wait(timeout=10)
+
+
+@pytest.mark.parametrize(
+    "server,chat,want",
+    [("good", False, 1.0), ("good", True, 1.0), ("bad", False, None)],
+)
+def test_lm_eval_runs_the_task(
+    lm_eval_env, fake_fastapply_servers, tmp_path, server, chat, want
+):
+    """lm-eval's local-completions / local-chat-completions models run the
+    task against the fake fast-apply oracle: exact match 1.0 (the server's
+    leading space ignored), below 1.0 for a wrong server."""
+    env = lm_eval_env
+    a = sc.parse_args(
+        [
+            "--model",
+            "m",
+            "--lm-eval",
+            str(TASK),
+            "--lm-eval-cmd",
+            f"{PY} -m lm_eval",
+            "--lm-eval-concurrency",
+            "8",
+        ]
+    )
+    srv = sc.ServerSpec("x", None, url=fake_fastapply_servers[server])
+    cmd = sc.lm_eval_command(a, srv, tmp_path, chat)
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = sc.read_lm_eval(tmp_path, "fastapply")
+    assert res["sample_len"] == 64
+    em = res["exact_match,none"]
+    if want is None:
+        assert 0.5 < em < 1.0
+    else:
+        assert em == want
+
+
+# -- the GPU script, dry --------------------------------------------------------
+
+
+def test_install_lm_eval_pins_the_wheel_dir():
+    """The script's pins name exactly the wheels in .whl-lmeval (when that
+    ignored folder exists here)."""
+    text = (REPO / "serving" / "install_lm_eval.sh").read_text()
+    pins = [ln.strip() for ln in text.split("WHEELS=(", 1)[1].split(")", 1)[0].split()]
+    assert "lm_eval==0.4.13" in pins
+    whl = REPO / ".whl-lmeval"
+    if not whl.is_dir():
+        pytest.skip(".whl-lmeval not downloaded here")
+
+    def norm(s):
+        return s.lower().replace("-", "_")
+
+    have = {
+        (norm(f.name.split("-")[0]), f.name.split("-")[1]) for f in whl.glob("*.whl")
+    }
+    want = {(norm(p.split("==")[0]), p.split("==")[1]) for p in pins}
+    assert have == want
+
+
+@pytest.mark.parametrize("step", ["fastapply", "qwen9b"])
+def test_gpu_serve_dry_run(tmp_path, step):
+    """gpu_serve.sh with fake servers, the CPU and the shrunk 9B config:
+    the step's three result files land in $OUT and the exit status is 0."""
+    out = tmp_path / "out"
+    mode = "fastapply" if step == "fastapply" else "model"
+    env = _env(
+        SERVE_BUNDLE_ENV="none",
+        SERVE_VLLM_CMD=f"{FAKE} --fake-mode {mode}",
+        PYTHON=PY,
+        OUT=str(out),
+        SERVE_WORK=str(tmp_path / "work"),
+        SERVE_DEVICE="cpu",
+        SERVE_TINY="1",
+        SERVE_BUDGET="150",
+        SERVE_ARGS=f"--port {_port()} --n 16",
+    )
+    proc = subprocess.run(
+        ["bash", str(REPO / "serving" / "gpu_serve.sh"), step],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [f"{step}.md", f"{step}.json", f"{step}-logs.tgz"]
+    )
+    assert "Verdict: **PASS**" in (out / f"{step}.md").read_text()
+
+
+def test_serve_check_reference_not_ready(tmp_path):
+    """A reference that never becomes healthy: status 3, the report says
+    ERROR, and the servers are gone."""
+    proc, report, out = _serve_check(
+        tmp_path,
+        "--server",
+        "ref=none",
+        "--server",
+        "cand=ngram",
+        "--server-args",
+        "ref=--fake-startup-s 1000",
+        "--deadline",
+        "8",
+    )
+    assert proc.returncode == 3
+    assert report["verdict"] == "ERROR" and "ref" in report["failed"]
+    assert "Verdict: **ERROR**" in (out / "serve_check.md").read_text()
+
+
+def test_serve_check_negative_controls(tmp_path):
+    """``--control``: a candidate expected to fail (upstream v0.26.0 on the
+    GPU host) is reported as such and does not decide the exit status; a
+    control that passes is flagged; ``--server-cmd`` runs it from another
+    command."""
+    proc, report, out = _serve_check(
+        tmp_path,
+        "--server",
+        "ref=none",
+        "--server",
+        "good=ngram",
+        "--server",
+        "up=ngram",
+        "--server",
+        "up2=ngram",
+        "--server-args",
+        "up=--fake-perturb decisive",
+        "--server-cmd",
+        f"up2=env SERVE_TEST_MARK=1 {FAKE} --fake-mode model",
+        "--control",
+        "up",
+        "--control",
+        "up2",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    c = report["candidates"]
+    assert c["up"]["control"] and c["up"]["summary"]["verdict"] == "FAIL"
+    assert c["up"]["summary"]["control_outcome"] == "expected-fail"
+    assert c["up2"]["summary"]["control_outcome"].startswith("unexpected-pass")
+    assert report["verdict"] == "PASS"
+    assert "env SERVE_TEST_MARK=1" in (out / "logs" / "up2.log").read_text()
+    assert "| up (control) |" in (out / "serve_check.md").read_text()
+
+
+CLI_SCRIPT = r"""
+import json, sys
+from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+out = []
+for cmd in json.loads(sys.argv[1]):
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd)
+    validate_parsed_serve_args(ns)
+    out.append({k: getattr(ns, k) for k in (
+        "model_tag", "attention_backend", "gdn_prefill_backend",
+        "language_model_only", "limit_mm_per_prompt", "kv_cache_memory_bytes",
+        "speculative_config", "tokenizer", "max_num_seqs", "enforce_eager",
+        "served_model_name", "disable_uvicorn_access_log")})
+print("RESULT " + json.dumps(out, default=str), flush=True)
+"""
+
+
+def test_vllm_serve_cli_accepts_the_flags(tmp_path):
+    """The ``vllm serve`` command lines gpu_serve.sh makes (its Qwen3.5
+    flags, each attention backend, each speculative preset) parse with the
+    fork's own serve parser."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed here")
+    qwen35 = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f'eval "$(grep "^QWEN35=" {REPO}/serving/gpu_serve.sh)"; echo "$QWEN35"',
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    cmds, want = [], []
+    for attn, spec, extra in (
+        ("TRITON_ATTN", "ngram", "--tokenizer /m/tokenizer"),
+        ("FLASH_ATTN", "ngram8", "--enforce-eager"),
+        ("FLASH_ATTN", "mtp", ""),
+        ("TRITON_ATTN", "none", ""),
+    ):
+        engine = (
+            f"{qwen35} --disable-uvicorn-access-log {extra} --attention-backend {attn}"
+        )
+        a = sc.parse_args(
+            ["--model", "/m", "--engine-args", engine, "--vllm-cmd", "vllm"]
+        )
+        cmd = sc.server_command(a, sc.ServerSpec("x", sc.parse_spec(spec), port=8100))
+        assert cmd[:3] == ["vllm", "serve", "/m"]
+        cmds.append(cmd[2:])
+        want.append((attn, sc.PRESETS[spec]))
+    script = tmp_path / "cli.py"
+    script.write_text(CLI_SCRIPT)
+    proc = subprocess.run(
+        [PY, str(script), json.dumps(cmds)],
+        cwd=tmp_path,
+        env=_env(HSFORK_CPU_TESTBED="1", VLLM_LOGGING_LEVEL="ERROR"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stderr[-4000:]
+    for got, (attn, spec) in zip(json.loads(lines[-1][7:]), want, strict=True):
+        assert got["model_tag"] == "/m"
+        assert got["attention_backend"].endswith(attn)
+        assert got["gdn_prefill_backend"] == "triton"
+        assert got["language_model_only"] is True
+        assert got["limit_mm_per_prompt"] == {"image": 0, "video": 0}
+        assert got["kv_cache_memory_bytes"] == 4_000_000_000
+        assert got["speculative_config"] == spec
+        assert got["served_model_name"] == ["model"]
+        assert got["disable_uvicorn_access_log"] is True
