@@ -128,10 +128,12 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
         # fixed KV cache size: no memory profiling, which other processes
         # sharing the GPU would disturb
         kw["kv_cache_memory_bytes"] = int(float(os.environ["HSFORK_KV_BYTES"]))
-    if cell.model in ("qwen3_5", FASTAPPLY):
-        kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
-        kw["language_model_only"] = True
-        kw["gdn_prefill_backend"] = "triton"
+    from .models import FIXTURES
+
+    # per-architecture settings (Qwen3.5: text only; Kimi-Linear: an MLA
+    # attention backend); the fast-apply fixture is a Qwen3.5
+    kind = "qwen3_5" if cell.model == FASTAPPLY else cell.model
+    kw.update(FIXTURES[kind]["engine_kwargs"])
     if cell.graphs != "eager":
         kw["compilation_config"] = {"cudagraph_mode": cell.graphs.upper()}
     if cell.cache_mode != "none":
@@ -517,6 +519,19 @@ def slice_cells(name: str) -> list[Cell]:
         return _fastapply_matrix(name.removeprefix("fa-"))
     if name.startswith("tq-"):
         return _turboquant_matrix(name.removeprefix("tq-"))
+    if name == "v1-more-models":
+        # the other generated fixtures on V1 (bf16): Qwen3-Next (GDN, MoE,
+        # MTP), Granite-4.0-H (Mamba2), Kimi-Linear (KDA: the fork refuses
+        # speculative decoding for it, v0.26.0 runs it without a spec path)
+        cells = []
+        for m in ("qwen3_next", "granitemoehybrid", "kimi_linear"):
+            cells += [
+                Cell(m, "ngram", 5, 8),
+                Cell(m, "scripted:accept_then_zero", 4, 8),
+                Cell(m, "scripted:heterogeneous", 4, 8),
+            ]
+        cells.append(Cell("qwen3_next", "mtp", 3, 8, async_sched=True))
+        return cells
     raise ValueError(f"unknown slice {name}")
 
 
