@@ -19,6 +19,10 @@ mkdir -p /tmp/forkroot && ln -sfn /tmp/hybridspec/repo/fork-tests /tmp/forkroot/
 TESTS=()
 for t in "$@"; do TESTS+=("tests/$t"); done
 if [[ " $VARIANTS " == *" upstream "* ]]; then make_upstream_site || exit 1; fi
+# the offline hub cache the tests expect (generated configs, no weights)
+export HSFORK_HF_CACHE=/tmp/hsfork-hub HF_HUB_CACHE=/tmp/hsfork-hub HF_HUB_OFFLINE=1
+PYTHONPATH=$R:$PYTHONPATH python3 -m hsfork fixtures > /dev/null 2>&1 \
+  || echo "hsfork fixtures failed: hub-named tests will error"
 for v in $VARIANTS; do
   (cd /tmp/forkroot && PYTHONPATH=/tmp/forkroot:$(site_pythonpath "$v") \
     timeout 300 python3 -m pytest -p no:cacheprovider -q -rfE "${TESTS[@]}" \
