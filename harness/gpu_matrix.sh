@@ -17,7 +17,7 @@ OUT=${OUT:-$R/out}
 mkdir -p "$OUT/equivalence" "$OUT/logs"
 # shellcheck disable=SC1091
 source "$R/harness/upstream_site.sh"
-if [[ " $VARIANTS " == *" upstream "* ]]; then make_upstream_site || exit 1; fi
+for v in $VARIANTS; do [[ $v == fork ]] || make_upstream_site "$v" || exit 1; done
 export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.1} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-2e9}
 pids=()
 for v in $VARIANTS; do
@@ -26,8 +26,8 @@ for v in $VARIANTS; do
   for s in $SLICES; do
     PYTHONPATH=$(site_pythonpath "$v") \
       timeout $((DEADLINE + 170)) python3 -m harness.equivalence --slice "$s" \
-      --run "$s-$v" --out "$OUT/equivalence" --deadline "$DEADLINE" \
-      > "$OUT/logs/$s-$v.log" 2>&1 &
+      --run "$s-${v//+/-with-}" --out "$OUT/equivalence" --deadline "$DEADLINE" \
+      > "$OUT/logs/$s-${v//+/-with-}.log" 2>&1 &
     pids+=($!)
     sleep 2
   done

@@ -321,6 +321,23 @@ def qwen3_5_hf_config(cfg_dict: dict):
     )
 
 
+def special_added_tokens(specials: dict[int, str]) -> list[dict]:
+    """``tokenizer.json``'s ``added_tokens``: ``specials`` (id -> content)
+    as special tokens, by id."""
+    return [
+        {
+            "id": i,
+            "content": s,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i, s in sorted(specials.items())
+    ]
+
+
 def tokenizer_json(vocab: int = VOCAB, specials: dict[int, str] | None = None) -> dict:
     """A word-level tokenizer: token i is the word ``t{i}``; ``specials``
     (default: this vocabulary's) keep their names."""
@@ -338,18 +355,7 @@ def tokenizer_json(vocab: int = VOCAB, specials: dict[int, str] | None = None) -
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": [
-            {
-                "id": i,
-                "content": s,
-                "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-                "special": True,
-            }
-            for i, s in sorted(specials.items())
-        ],  # fmt: skip
+        "added_tokens": special_added_tokens(specials),
         "normalizer": None,
         "pre_tokenizer": {"type": "WhitespaceSplit"},
         "post_processor": None,
@@ -455,55 +461,54 @@ def _shape_weights(model, kind: str, lm_head_std: float, seed: int) -> None:
             e.copy_(torch.randn(e.shape, generator=g) * EMBED_STD[kind])
 
 
-def _mtp_tensors(model, text_cfg: dict, seed: int) -> dict:
-    """Weights for ``mtp.*``: a full-attention decoder layer, the fusion fc
-    and three norms, in the layout of published Qwen3.5 checkpoints."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed + 2)
-    std = text_cfg["initializer_range"]
-    h = text_cfg["hidden_size"]
-    full = text_cfg["layer_types"].index("full_attention")
-    prefix = f"model.language_model.layers.{full}."
-    out = {}
-    for name, t in model.state_dict().items():
-        if name.startswith(prefix):
-            new = "mtp.layers.0." + name[len(prefix) :]
-            if name.endswith("norm.weight"):
-                out[new] = torch.ones_like(t)
-            else:
-                out[new] = torch.randn(t.shape, generator=g) * std
-    out["mtp.fc.weight"] = torch.randn((h, 2 * h), generator=g) * std
-    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
-        out[f"mtp.{norm}.weight"] = torch.ones(h)
-    return out
-
-
-def _qwen3_next_mtp_tensors(tensors: dict, cfg: dict, seed: int) -> dict:
-    """Weights for ``mtp.*`` in the layout of published Qwen3-Next
-    checkpoints (what vLLM's ``Qwen3NextMTP`` loads): a full-attention MoE
-    decoder layer ``mtp.layers.0``, the fusion ``mtp.fc`` and the norms
-    ``mtp.pre_fc_norm_{embedding,hidden}`` and ``mtp.norm``. Norms keep the
-    model's own init (zero-centred: unit gain)."""
+def _mtp_layer_tensors(state: dict, cfg: dict, base: str, seed: int, norm) -> dict:
+    """Weights for ``mtp.*`` in the layout of published Qwen3.5 and
+    Qwen3-Next checkpoints (what vLLM's ``Qwen3_5MTP`` and ``Qwen3NextMTP``
+    load): a full-attention decoder layer ``mtp.layers.0`` (the names and
+    shapes of the model's, weights redrawn normal(0, initializer_range)),
+    the fusion ``mtp.fc`` and the norms ``mtp.pre_fc_norm_{embedding,hidden}``
+    and ``mtp.norm``. ``state``: the model's tensors, its decoder under
+    ``base`` (``base + "layers."``, ``base + "norm.weight"``); ``cfg``: its
+    text config; ``norm(t)``: the weight of an MTP norm, from the model's
+    norm weight ``t`` of the same shape."""
     import torch
 
     g = torch.Generator().manual_seed(seed + 2)
     std = cfg["initializer_range"]
     h = cfg["hidden_size"]
     full = cfg["layer_types"].index("full_attention")
-    prefix = f"model.layers.{full}."
+    prefix = f"{base}layers.{full}."
     out = {}
-    for name, t in tensors.items():
+    for name, t in state.items():
         if name.startswith(prefix):
             new = "mtp.layers.0." + name[len(prefix) :]
             if name.endswith("norm.weight"):
-                out[new] = t.clone()
+                out[new] = norm(t)
             else:
                 out[new] = torch.randn(t.shape, generator=g) * std
     out["mtp.fc.weight"] = torch.randn((h, 2 * h), generator=g) * std
-    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
-        out[f"mtp.{norm}.weight"] = tensors["model.norm.weight"].clone()
+    for mtp_norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        out[f"mtp.{mtp_norm}.weight"] = norm(state[f"{base}norm.weight"])
     return out
+
+
+def _mtp_tensors(model, text_cfg: dict, seed: int) -> dict:
+    """Qwen3.5's ``mtp.*`` weights (``_mtp_layer_tensors``), norms set to
+    ones."""
+    import torch
+
+    return _mtp_layer_tensors(
+        model.state_dict(), text_cfg, "model.language_model.", seed, torch.ones_like
+    )
+
+
+def _qwen3_next_mtp_tensors(tensors: dict, cfg: dict, seed: int) -> dict:
+    """Qwen3-Next's ``mtp.*`` weights (``_mtp_layer_tensors``) from the
+    checkpoint ``tensors``. Norms keep the model's own init (zero-centred:
+    unit gain)."""
+    import torch
+
+    return _mtp_layer_tensors(tensors, cfg, "model.", seed, torch.clone)
 
 
 def _hf_model(kind: str, vocab: int, mtp: bool):

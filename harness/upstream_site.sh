@@ -1,23 +1,32 @@
 #!/usr/bin/env bash
-# Source from a GPU-host script: makes /tmp/upstream-site (upstream v0.26.0:
-# the bundle's fork site with the patch series reversed) if it is missing,
-# and defines `site_pythonpath VARIANT` (fork | upstream) that prints the
-# PYTHONPATH for that variant, the repo first.
+# Source from a GPU-host script: makes upstream v0.26.0 sites from the
+# bundle's fork site by reversing the patch series, and defines
+# `site_pythonpath VARIANT` that prints the PYTHONPATH for a variant, the
+# repo first. Variants: fork; upstream (the whole series reversed, at
+# /tmp/upstream-site); upstream+NNNN[+MMMM...] (every patch reversed except
+# the numbered ones, e.g. upstream+0015: v0.26.0 with only patch 0015).
 # Needs the bundle installed at /tmp/hybridspec and R = the repo root.
 # shellcheck disable=SC1091
 source /tmp/hybridspec/env.sh
+_site_dir() {
+  if [[ $1 == upstream ]]; then echo /tmp/upstream-site; else echo "/tmp/site-$1"; fi
+}
 make_upstream_site() {
-  [[ -d /tmp/upstream-site ]] && return 0
-  cp -r /tmp/hybridspec/site /tmp/upstream-site
-  local series i
+  local variant=${1:-upstream} dir series i keep
+  dir=$(_site_dir "$variant")
+  [[ -d $dir ]] && return 0
+  cp -r /tmp/hybridspec/site "$dir"
   mapfile -t series < "$R/patches/series"
   for ((i=${#series[@]}-1; i>=0; i--)); do
-    (cd /tmp/upstream-site && git apply -R --include='vllm/*' "$R/patches/${series[$i]}") \
+    keep=0
+    for n in ${variant//+/ }; do [[ ${series[$i]} == "$n"-* ]] && keep=1; done
+    ((keep)) && continue
+    (cd "$dir" && git apply -R --include='vllm/*' "$R/patches/${series[$i]}") \
       || { echo "reverse-apply failed: ${series[$i]}"; return 1; }
   done
 }
 site_pythonpath() {
   local site=/tmp/hybridspec/site
-  [[ $1 == upstream ]] && site=/tmp/upstream-site
+  [[ $1 != fork ]] && site=$(_site_dir "$1")
   echo "$R:${PYTHONPATH//\/tmp\/hybridspec\/site/$site}"
 }
