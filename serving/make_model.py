@@ -71,6 +71,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .tokenizer import CONTENT_TEMPLATE
+
 REPO = Path(__file__).resolve().parent.parent
 FASTAPPLY_SRC = REPO / "fixtures" / "fastapply"
 SHARD_BYTES = 4 << 30
@@ -80,14 +82,8 @@ STD = 0.02
 FASTAPPLY_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if not loop.first -%}{{- ' ' -}}{%- endif -%}"
-    "{%- if message['content'] is string -%}"
-    "{{- message['content'] -}}"
-    "{%- else -%}"
-    "{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
+    + CONTENT_TEMPLATE
+    + "{%- endfor -%}"
 )
 
 

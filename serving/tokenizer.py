@@ -73,12 +73,10 @@ SPLIT_PATTERN = (
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# Qwen-style ChatML. Content may be a string or a list of OpenAI parts
-# (text parts are concatenated); the generation prompt opens the
-# assistant's turn.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+# A chat template's rendering of ``message['content']``: a string as it
+# is, a list of OpenAI parts as its text parts concatenated (also
+# ``serving.make_model``'s fast-apply template).
+CONTENT_TEMPLATE = (
     "{%- if message['content'] is string -%}"
     "{{- message['content'] -}}"
     "{%- else -%}"
@@ -86,7 +84,15 @@ CHAT_TEMPLATE = (
     "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}"
     "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
+)
+
+# Qwen-style ChatML (content: ``CONTENT_TEMPLATE``); the generation prompt
+# opens the assistant's turn.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    + CONTENT_TEMPLATE
+    + "{{- '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
@@ -292,6 +298,8 @@ def train(seed: int = 0, bpe_vocab: int = BPE_VOCAB, n_docs: int = 6000):
 def padded_json(tok, total: int = VOCAB, specials: dict[int, str] = SPECIALS) -> dict:
     """``tok``'s JSON with the BPE vocabulary padded to ``total`` ids
     (``[pad<id>]`` entries) and ``specials`` as added special tokens."""
+    from harness.models import special_added_tokens
+
     data = json.loads(tok.to_str())
     vocab: dict[str, int] = data["model"]["vocab"]
     n = len(vocab)
@@ -304,18 +312,7 @@ def padded_json(tok, total: int = VOCAB, specials: dict[int, str] = SPECIALS) ->
     # keep their Qwen ids
     for i in range(n, total):
         vocab[specials.get(i, f"[pad{i}]")] = i
-    data["added_tokens"] = [
-        {
-            "id": i,
-            "content": s,
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "special": True,
-        }
-        for i, s in sorted(specials.items())
-    ]
+    data["added_tokens"] = special_added_tokens(specials)
     data["post_processor"] = None
     return data
 

@@ -38,6 +38,22 @@ def _env(**extra) -> dict:
     return env
 
 
+def _run_result(argv: list[str], cwd: Path = REPO, timeout: int = 600, **env):
+    """Run ``argv`` (a script printing ``RESULT <json>``) with ``_env(**env)``;
+    the JSON of its last ``RESULT`` line."""
+    proc = subprocess.run(
+        argv,
+        cwd=cwd,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][7:])
+
+
 def _port() -> int:
     """A free port with 20 free-looking ports after it (serve_check takes
     consecutive ones)."""
@@ -291,17 +307,11 @@ def test_vllm_request_path_round_trips(fastapply_dir, tiny9, tmp_path):
 
     script = tmp_path / "check.py"
     script.write_text(VLLM_SCRIPT)
-    proc = subprocess.run(
+    res = _run_result(
         [PY, str(script), str(fastapply_dir), str(tiny9)],
-        cwd=REPO,
-        env=_env(CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="ERROR"),
-        capture_output=True,
-        text=True,
-        timeout=600,
+        CUDA_VISIBLE_DEVICES="",
+        VLLM_LOGGING_LEVEL="ERROR",
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, proc.stderr[-4000:]
-    res = json.loads(lines[-1][7:])
     for row in res["subdir"]:
         assert row == {"chat": True, "chat_parts": True, "cmpl": True, "text": True}
     assert not any(r["cmpl"] or r["chat"] for r in res["model_dir"])
@@ -324,19 +334,13 @@ def test_vllm_loads_every_tiny_9b_parameter(tiny9):
         ["q", str(tiny9), arch, "bfloat16"]
         for arch in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MTP")
     ]
-    proc = subprocess.run(
+    res = _run_result(
         [PY, str(REPO / "tests" / "test_harness_models_more.py"), json.dumps(specs)],
-        cwd=REPO,
-        env=_env(
-            HSFORK_CPU_TESTBED="0", CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="ERROR"
-        ),
-        capture_output=True,
-        text=True,
-        timeout=600,
+        HSFORK_CPU_TESTBED="0",
+        CUDA_VISIBLE_DEVICES="",
+        VLLM_LOGGING_LEVEL="ERROR",
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, proc.stderr[-4000:]
-    for r in json.loads(lines[-1][7:]):
+    for r in res:
         if r["skip"]:
             pytest.skip(r["skip"])
         assert r["error"] is None, r
@@ -893,17 +897,14 @@ def test_vllm_serve_cli_accepts_the_flags(tmp_path):
         want.append((attn, sc.PRESETS[spec]))
     script = tmp_path / "cli.py"
     script.write_text(CLI_SCRIPT)
-    proc = subprocess.run(
+    res = _run_result(
         [PY, str(script), json.dumps(cmds)],
         cwd=tmp_path,
-        env=_env(HSFORK_CPU_TESTBED="1", VLLM_LOGGING_LEVEL="ERROR"),
-        capture_output=True,
-        text=True,
         timeout=300,
+        HSFORK_CPU_TESTBED="1",
+        VLLM_LOGGING_LEVEL="ERROR",
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, proc.stderr[-4000:]
-    for got, (attn, spec) in zip(json.loads(lines[-1][7:]), want, strict=True):
+    for got, (attn, spec) in zip(res, want, strict=True):
         assert got["model_tag"] == "/m"
         assert got["attention_backend"].endswith(attn)
         assert got["gdn_prefill_backend"] == "triton"
