@@ -26,7 +26,8 @@ position 5, where the gap is decisive. ``--fake-perturb ties`` emits the
 second choice at every tie position (a harmless divergence), and
 ``--fake-perturb fail`` answers one request in four with HTTP 500.
 ``--fake-startup-s`` delays ``/health``; ``--fake-exit-s`` makes the server
-exit early (a crash).
+exit early (a crash), and ``--fake-crash-on-request`` makes it exit at its
+first generation request (a crash that no timing can hide).
 
     python -m serving.fake_server MODEL --port 8100 [--fake-mode fastapply]
 """
@@ -267,6 +268,7 @@ def _parse(argv):
     )
     ap.add_argument("--fake-startup-s", type=float, default=0.0)
     ap.add_argument("--fake-exit-s", type=float, default=0.0)
+    ap.add_argument("--fake-crash-on-request", action="store_true")
     a, _ = ap.parse_known_args(argv)
     a.served_model_name = a.served_model_name or a.model
     return a
@@ -335,6 +337,8 @@ def make_app(a: argparse.Namespace):
         return bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
 
     async def handle(request, chat: bool):
+        if a.fake_crash_on_request:
+            os._exit(3)
         body = await request.json()
         srv.n += 1
         try:

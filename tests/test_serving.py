@@ -533,8 +533,9 @@ def test_serve_check_against_fake_servers(tmp_path):
 def test_serve_check_fastapply_failures_and_exact_match(tmp_path):
     """Fast-apply prompts: the oracle fake answers every request right
     (exact match 1.0, PASS); a candidate answering HTTP 500 to some
-    requests fails; a candidate that crashes at start is reported with its
-    log and fails, and the others are still compared."""
+    requests fails; a candidate that crashes at its first request fails,
+    one that dies before it is healthy is reported as failed to start, and
+    the others are still compared."""
     proc, report, _ = _serve_check(
         tmp_path,
         "--server",
@@ -548,7 +549,11 @@ def test_serve_check_fastapply_failures_and_exact_match(tmp_path):
         "--server-args",
         "flaky=--fake-perturb fail",
         "--server-args",
-        "crash=--fake-exit-s 0.2",
+        "crash=--fake-crash-on-request",
+        "--server",
+        "early=mtp",
+        "--server-args",
+        "early=--fake-startup-s 30 --fake-exit-s 0.2",
         "--max-tokens",
         "128",
         prompts="fastapply",
@@ -562,7 +567,11 @@ def test_serve_check_fastapply_failures_and_exact_match(tmp_path):
     assert c["good"]["summary"]["verdict"] == "PASS"
     assert c["flaky"]["summary"]["verdict"] == "FAIL"
     assert c["flaky"]["summary"]["error"] > 0
-    assert c["crash"]["summary"]["verdict"] == "FAIL" and "crash" in report["failed"]
+    # died at its first request: every request an error
+    assert c["crash"]["summary"]["verdict"] == "FAIL"
+    assert c["crash"]["summary"]["error"] > 0
+    # died before it was healthy: reported as failed to start
+    assert "early" in report["failed"]
 
 
 def test_serve_check_usage_errors(tmp_path):
