@@ -202,6 +202,25 @@ def _shutdown(llm) -> None:
         pass
 
 
+def turboquant_prefill() -> str:
+    """Make TurboQuant's prefill path runnable where FlashAttention 2 is
+    missing (the GPU bundle leaves its binary out unless built with
+    ``--with-optional``): TurboQuant then takes its own SDPA branch, in
+    this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Returns the prefill
+    attention it will use: ``flash_attn`` or ``sdpa``."""
+    import torch
+    from vllm.v1.attention.backends import turboquant_attn
+
+    if not turboquant_attn._HAS_FLASH_ATTN:
+        return "sdpa"
+    try:
+        torch.ops._vllm_fa2_C.varlen_fwd  # noqa: B018 - the lookup is the check
+        return "flash_attn"
+    except (AttributeError, RuntimeError):
+        turboquant_attn._HAS_FLASH_ATTN = False
+        return "sdpa"
+
+
 def _engine(cell: Cell, model_dir: str):
     from vllm import LLM
 
@@ -212,6 +231,8 @@ def _engine(cell: Cell, model_dir: str):
         drafter_mrv2.install()  # HSFORK_SCRIPT is set by _scripted_env
     else:
         drafter_mrv2.uninstall()  # a later MTP cell must not be scripted
+    if cell.kv_cache_dtype.startswith("turboquant_"):
+        turboquant_prefill()
     return LLM(**engine_kwargs(cell, model_dir, spec_config(cell)))
 
 
@@ -424,6 +445,8 @@ def run_cells(
             outs, metrics = generate(cell, model_dir, waves, logprobs=None)
             cands = [list(o.outputs[0].token_ids) for o in outs]
             row["accept"] = metrics or None
+            if cell.kv_cache_dtype.startswith("turboquant_"):
+                row["turboquant_prefill"] = turboquant_prefill()
             if log is not None and log.exists():
                 counts: dict[int, int] = {}
                 for line in log.read_text().splitlines():

@@ -367,3 +367,20 @@ def test_side_by_side_prefers_completed_results(tmp_path):
     assert len(lines) == 3
     assert "ok: 0 div, 0 ties / 10 tok <sub>b-fork.json</sub>" in lines[2]
     assert "**diverged**: 3 div" in lines[2] and "a-upstream.json" in lines[2]
+
+
+def test_turboquant_prefill_falls_back_to_sdpa_without_fa2(monkeypatch):
+    pytest.importorskip("vllm")
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CPU test bed only (a GPU host may have FlashAttention 2)")
+    from vllm.v1.attention.backends import turboquant_attn
+
+    import harness.equivalence as eq
+
+    # this CPU test bed has no FlashAttention 2 binary: TurboQuant's own
+    # SDPA branch must be taken
+    monkeypatch.setattr(turboquant_attn, "_HAS_FLASH_ATTN", True)
+    assert eq.turboquant_prefill() == "sdpa"
+    assert turboquant_attn._HAS_FLASH_ATTN is False
+    assert eq.turboquant_prefill() == "sdpa"
