@@ -36,8 +36,8 @@ wheel: testbed
 test: testbed fixtures lint test-ours test-upstream
 
 lint:
-	$(VENV_PY) -m ruff check hsfork harness serving tests
-	$(VENV_PY) -m ruff format --check hsfork harness serving tests
+	$(VENV_PY) -m ruff check hsfork harness serving benchmarks tests
+	$(VENV_PY) -m ruff format --check hsfork harness serving benchmarks tests
 
 test-ours:
 	$(VENV_PY) -m pytest tests $(PYTEST_ARGS)
