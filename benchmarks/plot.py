@@ -20,7 +20,7 @@ import argparse
 import json
 import shutil
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 SCHEMA = "hsfork-decode-latency/1"
@@ -30,9 +30,9 @@ GATED = ("none", "ngram_nomatch")  # modes with a ratio bound
 THRESHOLD = 1.01
 
 
-def load(inputs: Iterable[str | Path]) -> list[tuple[Path, dict]]:
-    """The benchmark documents among ``inputs`` (files or folders)."""
-    found: list[tuple[Path, dict]] = []
+def json_docs(inputs: Iterable[str | Path]) -> Iterator[tuple[Path, object]]:
+    """Every readable JSON document among ``inputs`` (files, or folders
+    searched recursively), each file once."""
     seen: set[Path] = set()
     for item in inputs:
         p = Path(item)
@@ -46,9 +46,16 @@ def load(inputs: Iterable[str | Path]) -> list[tuple[Path, dict]]:
                 doc = json.loads(f.read_text())
             except (OSError, ValueError):
                 continue
-            if isinstance(doc, dict) and doc.get("schema") == SCHEMA:
-                found.append((f, doc))
-    return found
+            yield f, doc
+
+
+def load(inputs: Iterable[str | Path]) -> list[tuple[Path, dict]]:
+    """The benchmark documents among ``inputs`` (files or folders)."""
+    return [
+        (f, doc)
+        for f, doc in json_docs(inputs)
+        if isinstance(doc, dict) and doc.get("schema") == SCHEMA
+    ]
 
 
 def _mode_key(mode: str) -> int:

@@ -921,37 +921,27 @@ def load_results(inputs) -> tuple[list[dict], dict]:
     """vLLM's saved results among ``inputs`` (files or folders, searched
     recursively; those with ``suite``/``spec``/``variant`` metadata), and
     the merged ``meta.json`` of the folders."""
+    from .plot import json_docs
+
     runs, meta = [], {"exact_match": {}, "servers": [], "skipped": []}
-    seen: set[Path] = set()
-    for item in inputs:
-        p = Path(item)
-        files = sorted(p.rglob("*.json")) if p.is_dir() else [p]
-        for f in files:
-            rf = f.resolve()
-            if rf in seen:
-                continue
-            seen.add(rf)
-            try:
-                doc = json.loads(f.read_text())
-            except (OSError, ValueError):
-                continue
-            if not isinstance(doc, dict):
-                continue
-            if doc.get("schema") == SCHEMA:
-                for k in ("exact_match",):
-                    meta[k].update(doc.get(k) or {})
-                for k in ("servers", "skipped"):
-                    meta[k] += doc.get(k) or []
-                for k in ("weights", "bandwidth", "suite", "config", "meta"):
-                    if doc.get(k) is not None:
-                        meta.setdefault(k, doc[k])
-            elif (
-                "output_throughput" in doc
-                and "max_concurrency" in doc
-                and all(doc.get(k) for k in ("suite", "spec", "variant"))
-            ):
-                doc["_file"] = f.name
-                runs.append(doc)
+    for f, doc in json_docs(inputs):
+        if not isinstance(doc, dict):
+            continue
+        if doc.get("schema") == SCHEMA:
+            for k in ("exact_match",):
+                meta[k].update(doc.get(k) or {})
+            for k in ("servers", "skipped"):
+                meta[k] += doc.get(k) or []
+            for k in ("weights", "bandwidth", "suite", "config", "meta"):
+                if doc.get(k) is not None:
+                    meta.setdefault(k, doc[k])
+        elif (
+            "output_throughput" in doc
+            and "max_concurrency" in doc
+            and all(doc.get(k) for k in ("suite", "spec", "variant"))
+        ):
+            doc["_file"] = f.name
+            runs.append(doc)
     return runs, meta
 
 
