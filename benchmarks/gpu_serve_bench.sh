@@ -48,20 +48,8 @@ T0=$SECONDS
 left() { echo $((BUDGET - (SECONDS - T0))); }
 mkdir -p "$OUT" "$WORK"
 rm -rf "${WORK:?}/$SUITE"
-if [[ ${BENCH_BUNDLE_ENV:-/tmp/hybridspec/env.sh} != none ]]; then
-  # shellcheck disable=SC1090
-  source "${BENCH_BUNDLE_ENV:-/tmp/hybridspec/env.sh}" || {
-    echo "gpu_serve_bench: no bundle at /tmp/hybridspec (install it first)" >&2
-    exit 2
-  }
-fi
-PY=${PYTHON:-python3}
-export PYTHONPATH="$R${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export VLLM_USE_FLASHINFER_SAMPLER=0
-# as serving/gpu_serve.sh: what a Qwen3.5 checkpoint needs on these hosts
-QWEN35="--gdn-prefill-backend triton --language-model-only --limit-mm-per-prompt '{\"image\":0,\"video\":0}'"
-ENGINE="$QWEN35 --disable-uvicorn-access-log ${BENCH_ENGINE:-}"
-[[ ${BENCH_EAGER:-0} == 1 ]] && ENGINE="$ENGINE --enforce-eager"
+# shellcheck disable=SC1091
+PREFIX=BENCH NAME=gpu_serve_bench source "$R/serving/host_env.sh"
 DEV=${BENCH_DEVICE:-cuda}
 CLI=()
 [[ -n ${BENCH_CLI:-} ]] && CLI=(--bench-cli "$BENCH_CLI")

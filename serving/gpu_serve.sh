@@ -49,20 +49,8 @@ left() { echo $((BUDGET - (SECONDS - T0))); }
 mkdir -p "$OUT"
 rm -rf "${WORK:?}/$STEP"
 mkdir -p "$WORK"
-if [[ ${SERVE_BUNDLE_ENV:-/tmp/hybridspec/env.sh} != none ]]; then
-  # shellcheck disable=SC1090
-  source "${SERVE_BUNDLE_ENV:-/tmp/hybridspec/env.sh}" || {
-    echo "gpu_serve: no bundle at /tmp/hybridspec (install it first)" >&2
-    exit 2
-  }
-fi
-PY=${PYTHON:-python3}
-export PYTHONPATH="$R${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export VLLM_USE_FLASHINFER_SAMPLER=0
-# serve_check splits these with shlex: the JSON keeps its quotes inside ''
-QWEN35="--gdn-prefill-backend triton --language-model-only --limit-mm-per-prompt '{\"image\":0,\"video\":0}'"
-ENGINE="$QWEN35 --disable-uvicorn-access-log ${SERVE_ENGINE:-}"
-[[ ${SERVE_EAGER:-0} == 1 ]] && ENGINE="$ENGINE --enforce-eager"
+# shellcheck disable=SC1091
+PREFIX=SERVE NAME=gpu_serve source "$R/serving/host_env.sh"
 VCMD=()
 [[ -n ${SERVE_VLLM_CMD:-} ]] && VCMD=(--vllm-cmd "$SERVE_VLLM_CMD")
 

@@ -222,7 +222,7 @@ print("RESULT " + json.dumps(out, default=str), flush=True)
 
 
 def test_vllm_serve_command_lines_parse(tmp_path):
-    """The ``vllm serve`` command lines of both suites (gpu_serve_bench.sh's
+    """The ``vllm serve`` command lines of both suites (serving/host_env.sh's
     flags, serve_check's launcher) through the fork's serve parser."""
     if not HAVE_VLLM:
         pytest.skip("vLLM is not installed here")
@@ -230,8 +230,7 @@ def test_vllm_serve_command_lines_parse(tmp_path):
         [
             "bash",
             "-c",
-            f'eval "$(grep "^QWEN35=" {REPO}/benchmarks/gpu_serve_bench.sh)"; '
-            'echo "$QWEN35"',
+            f'eval "$(grep "^QWEN35=" {REPO}/serving/host_env.sh)"; echo "$QWEN35"',
         ],
         capture_output=True,
         text=True,
