@@ -17,7 +17,16 @@ here). One engine serves every batch size of the mode:
 - ``scripted70``: the scripted drafter (``benchmarks.scripted``) proposing k
   drafts per step with an accepted prefix drawn for a 70% expected
   acceptance rate, against greedy references made by this engine (see
-  :func:`measure_scripted`).
+  :func:`measure_scripted`);
+- ``mtp``: the model's own MTP layer drafting ``--mtp-k`` tokens (greedy;
+  with dummy weights its drafts are rarely accepted, so this measures the
+  cost of verify steps of 1 + k tokens). ``--runner mrv2`` runs it on Model
+  Runner V2, ``--kv-cache-dtype turboquant_*`` with a TurboQuant KV cache
+  (``--tq-cudagraph downgrade``: TurboQuant's CUDA graph support lowered to
+  single-token decodes, the workaround of upstream issue 40880).
+
+``--label`` names the mode in the JSON and the reports (default: the mode),
+so that one mode on two runners or caches reports as two rows.
 
 Timing: the in-process engine's ``get_output`` (``EngineCore.step`` plus
 ``post_step``: schedule, model forward, sampling, drafting, output update;
@@ -49,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SCHEMA = "hsfork-decode-latency/1"
-MODES = ("none", "ngram_nomatch", "scripted70")
+MODES = ("none", "ngram_nomatch", "scripted70", "mtp")
 DEFAULT_MODEL_DIR = "/tmp/hsfork-bench/qwen3_5_9b"
 # Qwen3.5 special ids (hsfork.fixtures / the published tokenizer)
 EOS_ID = 248044
@@ -95,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="per-step decode latency of one vLLM install (one mode)",
     )
     ap.add_argument("--mode", choices=MODES, required=True)
+    ap.add_argument("--label", default=None, help="mode name in the report")
     ap.add_argument("--variant", default="unknown", help="label: fork | upstream")
     ap.add_argument("--repeat", type=int, default=0, help="label: repeat index")
     ap.add_argument("--out", required=True, help="JSON file to (re)write")
@@ -109,7 +119,22 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "greedy", "random"),
         default="auto",
         help="auto: random (temperature 1) for none and ngram_nomatch, "
-        "greedy for scripted70 (which needs it)",
+        "greedy for scripted70 (which needs it) and mtp",
+    )
+    ap.add_argument("--mtp-k", type=int, default=3)
+    ap.add_argument("--runner", choices=("v1", "mrv2"), default="v1")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="e.g. turboquant_k8v4 (TurboQuant prefill falls back to SDPA "
+        "where FlashAttention 2 is missing)",
+    )
+    ap.add_argument(
+        "--tq-cudagraph",
+        choices=("default", "downgrade"),
+        default="default",
+        help="downgrade: TurboQuant's CUDA graph support set to "
+        "UNIFORM_SINGLE_TOKEN_DECODE (spec-verify steps leave full graphs)",
     )
     ap.add_argument("--ngram-k", type=int, default=8)
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
@@ -167,19 +192,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--ngram-k >= 1 and 1 <= --prompt-lookup-min <= --prompt-lookup-max")
     if a.mode == "scripted70" and a.ref_iters < 1:
         ap.error("--ref-iters must be >= 1")
+    if a.mode == "mtp" and not 1 <= a.mtp_k <= 32:
+        ap.error("--mtp-k in 1..32")
+    if a.tq_cudagraph != "default" and not a.kv_cache_dtype.startswith("turboquant_"):
+        ap.error("--tq-cudagraph needs a turboquant_* --kv-cache-dtype")
+    if a.label is None:
+        a.label = a.mode
     if a.mode == "scripted70" and a.sampling == "random":
         ap.error("scripted70 needs greedy sampling (its drafts follow references)")
     return a
 
 
 def spec_k(a: argparse.Namespace) -> int:
-    return {"none": 0, "ngram_nomatch": a.ngram_k, "scripted70": a.scripted_k}[a.mode]
+    return {
+        "none": 0,
+        "ngram_nomatch": a.ngram_k,
+        "scripted70": a.scripted_k,
+        "mtp": a.mtp_k,
+    }[a.mode]
 
 
 def sampling_kind(a: argparse.Namespace) -> str:
     if a.sampling != "auto":
         return a.sampling
-    return "greedy" if a.mode == "scripted70" else "random"
+    return "greedy" if a.mode in ("scripted70", "mtp") else "random"
 
 
 def spec_config(a: argparse.Namespace) -> dict | None:
@@ -192,6 +228,8 @@ def spec_config(a: argparse.Namespace) -> dict | None:
             "prompt_lookup_min": a.prompt_lookup_min,
             "prompt_lookup_max": a.prompt_lookup_max,
         }
+    if a.mode == "mtp":
+        return {"method": "mtp", "num_speculative_tokens": a.mtp_k}
     return {
         "method": "custom_class",
         "model": "benchmarks.scripted.RateProposer",
@@ -220,6 +258,10 @@ def engine_kwargs(a: argparse.Namespace, model_dir: str) -> dict:
         "async_scheduling": False,
         "disable_log_stats": True,
     }
+    if a.kv_cache_dtype != "auto":
+        kw["kv_cache_dtype"] = a.kv_cache_dtype
+        # the cache dtype picks its attention backend (TurboQuant's own)
+        kw.pop("attention_backend")
     if a.capture_sizes and not a.eager:
         kw["compilation_config"] = {"cudagraph_capture_sizes": sorted(a.capture_sizes)}
     spec = spec_config(a)
@@ -676,6 +718,26 @@ def device_info() -> dict:
     return info
 
 
+def setup_turboquant(cudagraph: str) -> dict:
+    """In-process TurboQuant setup before the engine starts: the SDPA prefill
+    where FlashAttention 2 is missing (see harness.equivalence), and with
+    ``downgrade`` the CUDA graph support of upstream issue 40880's
+    workaround."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantMetadataBuilder
+
+    from harness.equivalence import turboquant_prefill
+
+    if cudagraph == "downgrade":
+        TurboQuantMetadataBuilder._cudagraph_support = (
+            AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        )
+    return {
+        "prefill": turboquant_prefill(),
+        "cudagraph_support": TurboQuantMetadataBuilder._cudagraph_support.name,
+    }
+
+
 def config_hash(cfg: dict) -> str:
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -689,7 +751,7 @@ def run(a: argparse.Namespace) -> int:
     t_start = time.time()
     deadline = t_start + a.deadline if a.deadline else None
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if a.runner == "mrv2" else "0"
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_dir = str(write_model_dir(a.model_dir))
@@ -705,6 +767,8 @@ def run(a: argparse.Namespace) -> int:
         "seed": a.seed,
         "accept_rate": a.accept_rate if a.mode == "scripted70" else None,
         "ref_iters": a.ref_iters if a.mode == "scripted70" else None,
+        "runner": a.runner,
+        "tq_cudagraph": a.tq_cudagraph,
         "env": {
             k: os.environ.get(k)
             for k in (
@@ -718,7 +782,8 @@ def run(a: argparse.Namespace) -> int:
         "schema": SCHEMA,
         "variant": a.variant,
         "repeat": a.repeat,
-        "mode": a.mode,
+        "mode": a.label,
+        "spec_mode": a.mode,
         "status": "starting",
         "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
@@ -732,6 +797,8 @@ def run(a: argparse.Namespace) -> int:
     code = 0
     try:
         doc.update(install_info())
+        if a.kv_cache_dtype.startswith("turboquant_"):
+            doc["turboquant"] = setup_turboquant(a.tq_cudagraph)
         from vllm import LLM
 
         t0 = time.time()
@@ -741,7 +808,7 @@ def run(a: argparse.Namespace) -> int:
         meter = StepMeter(llm)
         doc["status"] = "running"
         write_json(a.out, doc)
-        print(f"[bench] {a.variant} {a.mode}: engine up in {doc['engine_start_s']}s",
+        print(f"[bench] {a.variant} {a.label}: engine up in {doc['engine_start_s']}s",
               flush=True)  # fmt: skip
         last = None
         for bs in a.batch_sizes:
@@ -763,7 +830,7 @@ def run(a: argparse.Namespace) -> int:
                 "[bench] {} {} BS {}: median {:.3f} ms/step, mean {:.3f}, "
                 "{} decode steps, {:.0f} tok/s, drafts {}, acceptance {}".format(
                     a.variant,
-                    a.mode,
+                    a.label,
                     bs,
                     row["median_ms"] or float("nan"),
                     row["mean_ms"] or float("nan"),

@@ -36,8 +36,9 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.decode_latency import MODES
+
 REPO = Path(__file__).resolve().parent.parent
-MODES = ("none", "ngram_nomatch", "scripted70")
 VARIANTS = ("fork", "upstream")
 FINGERPRINT_FILE = Path("vllm/v1/spec_decode/utils.py")
 FINGERPRINT = "def mark_zero_draft_decodes"

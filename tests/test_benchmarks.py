@@ -1007,3 +1007,96 @@ def test_side_by_side_skips_the_partner_of_a_failed_process(tmp_path, monkeypatc
     ]  # fmt: skip
     assert sbs.main(argv) == 1
     assert [p.name for p in (out / "logs").iterdir()] == ["none-fork-r0.log"]
+
+
+def test_parse_args_mtp_runner_and_turboquant():
+    a = dl.parse_args(["--mode", "mtp", "--out", "x", "--runner", "mrv2"])
+    assert dl.spec_config(a) == {"method": "mtp", "num_speculative_tokens": 3}
+    assert dl.sampling_kind(a) == "greedy" and a.label == "mtp" and a.runner == "mrv2"
+    assert "kv_cache_dtype" not in dl.engine_kwargs(a, "/m")
+    t = dl.parse_args(
+        ["--mode", "mtp", "--out", "x", "--mtp-k", "1", "--label", "tq_fix",
+         "--kv-cache-dtype", "turboquant_k8v4", "--tq-cudagraph", "downgrade"]
+    )  # fmt: skip
+    assert dl.spec_k(t) == 1 and t.label == "tq_fix"
+    tkw = dl.engine_kwargs(t, "/m")
+    assert tkw["kv_cache_dtype"] == "turboquant_k8v4" and "attention_backend" not in tkw
+    for bad in (["--mtp-k", "0"], ["--tq-cudagraph", "downgrade"]):
+        with pytest.raises(SystemExit):
+            dl.parse_args(["--mode", "mtp", "--out", "x", *bad])
+
+
+def test_decode_latency_label_names_the_mode_and_mrv2_sets_the_runner(
+    fake_vllm, tmp_path
+):
+    out = tmp_path / "m.json"
+    argv = ["--mode", "mtp", "--label", "mtp_mrv2", "--runner", "mrv2", "--out",
+            str(out), "--model-dir", str(tmp_path / "m"), "--batch-sizes", "1",
+            "--tokens", "8", "--prompt-len", "16,24",
+            "--warmup-tokens", "2"]  # fmt: skip
+    assert dl.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["mode"] == "mtp_mrv2" and doc["spec_mode"] == "mtp"
+    assert doc["config"]["runner"] == "mrv2"
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert fake_vllm[0]["speculative_config"]["method"] == "mtp"
+    assert "mtp_mrv2" in plot.GATED
+
+
+def test_method_timer_times_counts_and_passes_through():
+    from benchmarks import step_profile as sp
+
+    class Obj:
+        def f(self, x):
+            return x == 1
+
+    o, t = Obj(), sp.MethodTimer()
+    assert t.wrap(o, "f", "obj", count_results=True)
+    assert not t.wrap(o, "missing", "obj")
+    assert o.f(1) is True and t.calls == {}  # off: not timed
+    t.on = True
+    assert [o.f(1), o.f(1), o.f(2)] == [True, True, False]
+    s = t.summary(steps=3)["obj.f"]
+    assert s["calls"] == 3 and s["results"] == {"True": 2, "False": 1}
+    assert s["total_ms"] >= 0 and s["us_per_step"] == s["total_ms"] * 1e3 / 3
+    t.reset()
+    assert t.summary(steps=1) == {}
+
+
+def test_step_profile_compare(tmp_path):
+    from benchmarks import step_profile as sp
+
+    paths = []
+    for v, us in (("fork", 30.0), ("upstream", 20.0)):
+        doc = {"variant": v, "results": [{"bs": 1, "median_ms": us / 10, "methods": {
+            "runner.x": {"calls": 2, "total_ms": 1, "us_per_step": us,
+                         "results": {"True": 2} if v == "fork" else {}}}}]}  # fmt: skip
+        p = tmp_path / f"{v}.json"
+        p.write_text(json.dumps(doc))
+        paths.append(str(p))
+    text = sp.compare(paths)
+    assert "| runner.x µs/step | 30.0 | 20.0 |" in text
+    assert "| median ms/step | 3.000 | 2.000 |" in text
+    assert "runner.x returned: {'True': 2}" in text
+
+
+def test_configs_report_rows_and_files(tmp_path):
+    from benchmarks import configs_report as cr
+
+    for label, ms in (("tq_fix", 10.0), ("tq_eager", 40.0), ("tq_fix", 12.0)):
+        doc = {"schema": dl.SCHEMA, "mode": label, "variant": "fork", "status": "ok",
+               "config": {"engine": {"enforce_eager": label == "tq_eager"}},
+               "results": [{"bs": 1, "median_ms": ms, "tokens_per_s": 1e3 / ms,
+                            "tokens_per_step": 1.0, "acceptance": 0.0}]}  # fmt: skip
+        (tmp_path / f"{label}-{ms}.json").write_text(json.dumps(doc))
+    res = cr.write([tmp_path], tmp_path / "out", "t", baseline="tq_eager")
+    by = {r["config"]: r for r in res["rows"]}
+    assert by["tq_fix"]["runs"] == 2 and by["tq_fix"]["median_ms"] == 11.0
+    assert by["tq_eager"]["speedup_vs_baseline"] == 1.0
+    assert by["tq_fix"]["speedup_vs_baseline"] == pytest.approx(
+        (100 + 1e3 / 12) / 2 / 25
+    )
+    md = (tmp_path / "out" / "t.md").read_text()
+    assert "| tq_fix | 1 | 11.000 |" in md and "speedup: tok/s over `tq_eager`" in md
+    with pytest.raises(SystemExit):
+        cr.write([tmp_path / "out" / "t.md"], tmp_path / "o2", "t", None)

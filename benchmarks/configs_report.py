@@ -1,0 +1,161 @@
+"""Several configurations of one vLLM install, side by side: a table and a
+plot of decode step time and tokens/s per batch size, and each
+configuration's tokens/s over a baseline's.
+
+    python -m benchmarks.configs_report OUT/tq --baseline tq_eager \\
+        --out reports/bench/RUN --run tq-mtp-9b
+
+The inputs are ``benchmarks.decode_latency`` JSONs (files or folders); a
+configuration is a JSON's ``mode`` (its ``--label``). Repeats of a label are
+averaged. ``benchmarks/gpu_runs.sh tq`` makes the TurboQuant set: ``tq_fix``
+(full CUDA graphs), ``tq_downgrade`` (TurboQuant's graph support lowered to
+single-token decodes), ``tq_eager``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from benchmarks.plot import load
+
+
+def rows(docs: list[dict], baseline: str | None) -> list[dict]:
+    """One row per (label, BS): median ms/step, tokens/s, and the tokens/s
+    ratio over ``baseline`` at the same BS (None where either is missing)."""
+    cells: dict[tuple[str, int], list[dict]] = {}
+    for d in docs:
+        for r in d.get("results", []):
+            cells.setdefault((d["mode"], int(r["bs"])), []).append(r)
+
+    def mean(rs: list[dict], key: str) -> float | None:
+        xs = [r[key] for r in rs if r.get(key) is not None]
+        return statistics.fmean(xs) if xs else None
+
+    out = []
+    for (label, bs), rs in sorted(cells.items()):
+        out.append(
+            {
+                "config": label,
+                "bs": bs,
+                "runs": len(rs),
+                "median_ms": mean(rs, "median_ms"),
+                "tokens_per_s": mean(rs, "tokens_per_s"),
+                "tokens_per_step": mean(rs, "tokens_per_step"),
+                "acceptance": mean(rs, "acceptance"),
+            }
+        )
+    base = {r["bs"]: r["tokens_per_s"] for r in out if r["config"] == baseline}
+    for r in out:
+        b = base.get(r["bs"])
+        r["speedup_vs_baseline"] = (
+            r["tokens_per_s"] / b if b and r["tokens_per_s"] is not None else None
+        )
+    return out
+
+
+def _f(x, fmt: str = "{:.3f}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def markdown(rs: list[dict], docs: list[dict], baseline: str | None, run: str) -> str:
+    d0 = docs[0] if docs else {}
+    eng = d0.get("config", {}).get("engine", {})
+    lines = [
+        f"# Decode step time by configuration: `{run}`",
+        "",
+        f"- device: {d0.get('device')}; vLLM {d0.get('vllm_version')} "
+        f"(fork patches present: {d0.get('fork_patches')})",
+        f"- engine: kv_cache_dtype {eng.get('kv_cache_dtype', 'auto')}, "
+        f"speculative_config `{json.dumps(eng.get('speculative_config'))}`, "
+        f"max_num_seqs {eng.get('max_num_seqs')}",
+    ]
+    for d in docs:
+        tq = d.get("turboquant") or {}
+        eager = d["config"]["engine"].get("enforce_eager")
+        lines.append(
+            f"- `{d['mode']}`: enforce_eager {eager}"
+            + (
+                f", TurboQuant cudagraph support {tq.get('cudagraph_support')}, "
+                f"prefill {tq.get('prefill')}"
+                if tq
+                else ""
+            )
+            + f", status {d.get('status')}"
+        )
+    lines += [
+        "",
+        "ms/step: median wall time of full-batch decode steps; tok/s: tokens "
+        "emitted by decode steps over their time"
+        + (f"; speedup: tok/s over `{baseline}` at the same BS." if baseline else "."),
+        "",
+        "| config | BS | ms/step | tok/s | tokens/step | acceptance | speedup |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rs:
+        lines.append(
+            f"| {r['config']} | {r['bs']} | {_f(r['median_ms'])} "
+            f"| {_f(r['tokens_per_s'], '{:.0f}')} "
+            f"| {_f(r['tokens_per_step'], '{:.2f}')} "
+            f"| {_f(r['acceptance'], '{:.3f}')} "
+            f"| {_f(r['speedup_vs_baseline'], '{:.2f}x')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rs: list[dict], path: Path, run: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for label in sorted({r["config"] for r in rs}):
+        pts = [r for r in rs if r["config"] == label]
+        bs = [r["bs"] for r in pts]
+        axes[0].plot(bs, [r["median_ms"] for r in pts], marker="o", label=label)
+        axes[1].plot(bs, [r["tokens_per_s"] for r in pts], marker="o", label=label)
+    for ax, title in zip(axes, ("ms per decode step", "tokens/s"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(run)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write(inputs, out: str | Path, run: str, baseline: str | None) -> dict:
+    docs = [d for _, d in load(inputs)]
+    if not docs:
+        raise SystemExit("no decode_latency JSONs among the inputs")
+    rs = rows(docs, baseline)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{run}.md").write_text(markdown(rs, docs, baseline, run))
+    (out / f"{run}.json").write_text(json.dumps({"run": run, "rows": rs}, indent=1))
+    plotted = plot(rs, out / f"{run}.png", run)
+    return {"rows": rs, "png": plotted}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.configs_report")
+    ap.add_argument("inputs", nargs="+")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--run", default="configs")
+    ap.add_argument("--baseline", default=None, help="label the speedups are over")
+    a = ap.parse_args(argv)
+    write(a.inputs, a.out, a.run, a.baseline)
+    print((Path(a.out) / f"{a.run}.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Benchmark runs on a GPU host (bundle installed at /tmp/hybridspec), from the
+# repository root. Results under $OUT (default ./out).
+#
+#   bash benchmarks/gpu_runs.sh profile [decode_latency args]
+#       host time per runner method, fork then upstream (benchmarks.step_profile),
+#       default: n-gram never matching, BS 1 and 64: $OUT/profile-{fork,upstream}
+#       (PROFILE_ORDER="upstream fork" runs upstream first)
+#   bash benchmarks/gpu_runs.sh tq [BATCH_SIZES]
+#       issue 6: MTP k=3 with a TurboQuant KV cache (turboquant_k8v4) on the
+#       fork, three engines in turn: full CUDA graphs (the fix), TurboQuant's
+#       graph support downgraded to single-token decodes (the workaround),
+#       eager: $OUT/tq/<config>.json
+#   bash benchmarks/gpu_runs.sh mtp-mrv2 [DEADLINE_S]
+#       issue 5: MTP k=3 on Model Runner V2, fork vs upstream side by side
+#       (benchmarks.side_by_side): $OUT/mtp-mrv2
+set -u
+R=$PWD
+OUT=${OUT:-$R/out}
+mkdir -p "$OUT/logs"
+# shellcheck disable=SC1091
+source "$R/harness/upstream_site.sh"
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
+case ${1:-} in
+profile)
+  shift
+  args=("$@")
+  ((${#args[@]})) || args=(--mode ngram_nomatch --batch-sizes 1,64 --tokens 96)
+  python3 -c "
+from benchmarks.side_by_side import ensure_upstream_site, series
+print('upstream site:', ensure_upstream_site('/tmp/hybridspec/site', '/tmp/upstream-site', series('patches')))"
+  for v in ${PROFILE_ORDER:-fork upstream}; do
+    PYTHONPATH=$(site_pythonpath "$v") python3 -m benchmarks.step_profile \
+      --variant "$v" --out "$OUT/profile-$v" -- "${args[@]}" \
+      > "$OUT/logs/profile-$v.log" 2>&1
+    grep -E '^\[profile\]|Error' "$OUT/logs/profile-$v.log" | tail -5
+  done
+  python3 -m benchmarks.step_profile --compare "$OUT"/profile-{fork,upstream}/step_profile.json
+  ;;
+tq)
+  bs=${2:-1,8,32}
+  mkdir -p "$OUT/tq"
+  common=(--mode mtp --mtp-k 3 --kv-cache-dtype turboquant_k8v4 --batch-sizes "$bs"
+          --tokens 96 --variant fork)
+  for cfg in fix downgrade eager; do
+    extra=(--label "tq_$cfg")
+    [[ $cfg == downgrade ]] && extra+=(--tq-cudagraph downgrade)
+    [[ $cfg == eager ]] && extra+=(--eager)
+    PYTHONPATH=$(site_pythonpath fork) timeout 300 python3 -m benchmarks.decode_latency \
+      "${common[@]}" "${extra[@]}" --out "$OUT/tq/tq_$cfg.json" --deadline 280 \
+      > "$OUT/logs/tq-$cfg.log" 2>&1
+    grep -E '^\[bench\]|Error' "$OUT/logs/tq-$cfg.log" | tail -6
+  done
+  ;;
+mtp-mrv2)
+  PYTHONPATH=$(site_pythonpath fork) python3 -m benchmarks.side_by_side \
+    --modes mtp --out "$OUT/mtp-mrv2" --run mtp-mrv2 --deadline "${2:-540}" \
+    -- --runner mrv2 --label mtp_mrv2 --mtp-k 3 --tokens 96
+  ;;
+*) echo "usage: $0 profile|tq|mtp-mrv2 ..."; exit 2 ;;
+esac
