@@ -942,6 +942,11 @@ def load_results(inputs) -> tuple[list[dict], dict]:
         ):
             doc["_file"] = f.name
             runs.append(doc)
+    # a server skipped by one call and run by a later one is not skipped
+    ran = {(s.get("spec"), s.get("variant")) for s in meta["servers"]}
+    meta["skipped"] = [
+        s for s in meta["skipped"] if (s.get("spec"), s.get("variant")) not in ran
+    ]
     return runs, meta
 
 

@@ -639,3 +639,25 @@ def test_summary_cli_merges_folders(tmp_path):
     )
     assert (tmp_path / "o" / "x.md").exists()
     assert sb.main(["nope"]) == 2
+
+
+def test_load_results_drops_skips_that_a_later_call_ran(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    for d, servers, skipped in (
+        (first, [("none", "fork")], [("ngram", "fork"), ("mtp", "fork")]),
+        (second, [("ngram", "fork")], []),
+    ):
+        d.mkdir()
+        meta = {
+            "schema": sb.SCHEMA,
+            "servers": [
+                {"name": f"{s}-{v}", "spec": s, "variant": v} for s, v in servers
+            ],
+            "skipped": [
+                {"spec": s, "variant": v, "reason": "time"} for s, v in skipped
+            ],
+        }
+        (d / "meta.json").write_text(json.dumps(meta))
+    _, merged = sb.load_results([first, second])
+    assert [(s["spec"], s["variant"]) for s in merged["skipped"]] == [("mtp", "fork")]
+    assert len(merged["servers"]) == 2
