@@ -62,12 +62,17 @@ def _csv(choices: tuple[str, ...]):
     return parse
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def split_passthrough(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """(own arguments, arguments after ``--`` for decode_latency)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1 :]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    argv, extra = split_passthrough(argv)
     ap = argparse.ArgumentParser(prog="python -m benchmarks.side_by_side")
     ap.add_argument("--modes", type=_csv(MODES), default=list(MODES))
     ap.add_argument("--variants", type=_csv(VARIANTS), default=list(VARIANTS))

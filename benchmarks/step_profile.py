@@ -231,11 +231,9 @@ def compare(paths: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
+    from benchmarks.side_by_side import split_passthrough
+
+    argv, extra = split_passthrough(argv)
     ap = argparse.ArgumentParser(prog="python -m benchmarks.step_profile")
     ap.add_argument("--variant", default="unknown")
     ap.add_argument("--out", default="out/step-profile")
