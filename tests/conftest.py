@@ -136,3 +136,19 @@ def synth(tmp_path, monkeypatch):
         sdist_sha = sha
 
     return Synth
+
+
+@pytest.fixture
+def qwen35_serve_flags() -> str:
+    """The Qwen3.5 ``vllm serve`` flags of serving/host_env.sh (``$QWEN35``),
+    as the GPU scripts expand them."""
+    return subprocess.run(
+        [
+            "bash",
+            "-c",
+            f'eval "$(grep "^QWEN35=" {REPO}/serving/host_env.sh)"; echo "$QWEN35"',
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()

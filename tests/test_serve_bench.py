@@ -221,21 +221,12 @@ print("RESULT " + json.dumps(out, default=str), flush=True)
 """
 
 
-def test_vllm_serve_command_lines_parse(tmp_path):
+def test_vllm_serve_command_lines_parse(tmp_path, qwen35_serve_flags):
     """The ``vllm serve`` command lines of both suites (serving/host_env.sh's
     flags, serve_check's launcher) through the fork's serve parser."""
     if not HAVE_VLLM:
         pytest.skip("vLLM is not installed here")
-    qwen35 = subprocess.run(
-        [
-            "bash",
-            "-c",
-            f'eval "$(grep "^QWEN35=" {REPO}/serving/host_env.sh)"; echo "$QWEN35"',
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    qwen35 = qwen35_serve_flags
     engine = f"{qwen35} --disable-uvicorn-access-log"
     cases = [
         ("fastapply", "ngram", f"{engine} --tokenizer /m/tokenizer "

@@ -871,22 +871,13 @@ print("RESULT " + json.dumps(out, default=str), flush=True)
 """
 
 
-def test_vllm_serve_cli_accepts_the_flags(tmp_path):
+def test_vllm_serve_cli_accepts_the_flags(tmp_path, qwen35_serve_flags):
     """The ``vllm serve`` command lines gpu_serve.sh makes (the Qwen3.5
     flags of serving/host_env.sh, each attention backend, each speculative
     preset) parse with the fork's own serve parser."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed here")
-    qwen35 = subprocess.run(
-        [
-            "bash",
-            "-c",
-            f'eval "$(grep "^QWEN35=" {REPO}/serving/host_env.sh)"; echo "$QWEN35"',
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    qwen35 = qwen35_serve_flags
     cmds, want = [], []
     for attn, spec, extra in (
         ("TRITON_ATTN", "ngram", "--tokenizer /m/tokenizer"),
