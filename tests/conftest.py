@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -152,3 +154,47 @@ def qwen35_serve_flags() -> str:
         text=True,
         check=True,
     ).stdout.strip()
+
+
+SERVE_PARSE_SCRIPT = r"""
+import json, sys
+from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+fields = json.loads(sys.argv[2])
+out = []
+for cmd in json.loads(sys.argv[1]):
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd)
+    validate_parsed_serve_args(ns)
+    out.append({k: getattr(ns, k) for k in fields})
+print("RESULT " + json.dumps(out, default=str), flush=True)
+"""
+
+
+@pytest.fixture
+def parse_serve_args(tmp_path):
+    """``parse(cmds, fields)``: each argument list of ``vllm serve`` (without
+    ``vllm serve``) through the installed vLLM's own serve parser and
+    validation, in a subprocess on the CPU test bed; the requested fields of
+    each parsed namespace."""
+
+    def parse(cmds: list[list[str]], fields: list[str]) -> list[dict]:
+        script = tmp_path / "parse_serve.py"
+        script.write_text(SERVE_PARSE_SCRIPT)
+        env = dict(os.environ, HSFORK_CPU_TESTBED="1", VLLM_LOGGING_LEVEL="ERROR")
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO), env.get("PYTHONPATH", "")) if p
+        )
+        proc = subprocess.run(
+            [sys.executable, str(script), json.dumps(cmds), json.dumps(fields)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert lines, proc.stdout[-3000:]
+        return json.loads(lines[-1][7:])
+
+    return parse

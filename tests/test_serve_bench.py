@@ -205,23 +205,7 @@ def test_bench_serve_command_lines_parse_with_the_forks_parser(tmp_path):
     assert got_q9["result_filename"] == "qwen9b-none-upstream-c64.json"
 
 
-SERVE_SCRIPT = r"""
-import json, sys
-from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-out = []
-for cmd in json.loads(sys.argv[1]):
-    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd)
-    validate_parsed_serve_args(ns)
-    out.append({k: getattr(ns, k) for k in (
-        "model_tag", "attention_backend", "speculative_config", "tokenizer",
-        "kv_cache_memory_bytes", "max_num_seqs", "max_model_len",
-        "language_model_only", "served_model_name", "port")})
-print("RESULT " + json.dumps(out, default=str), flush=True)
-"""
-
-
-def test_vllm_serve_command_lines_parse(tmp_path, qwen35_serve_flags):
+def test_vllm_serve_command_lines_parse(qwen35_serve_flags, parse_serve_args):
     """The ``vllm serve`` command lines of both suites (serving/host_env.sh's
     flags, serve_check's launcher) through the fork's serve parser."""
     if not HAVE_VLLM:
@@ -246,18 +230,12 @@ def test_vllm_serve_command_lines_parse(tmp_path, qwen35_serve_flags):
         cmd = sc.server_command(ns, srv)
         assert cmd[:3] == ["vllm", "serve", "/m"]
         cmds.append(cmd[2:])
-    script = tmp_path / "serve.py"
-    script.write_text(SERVE_SCRIPT)
-    proc = subprocess.run(
-        [PY, str(script), json.dumps(cmds)],
-        cwd=tmp_path,
-        env=_env(HSFORK_CPU_TESTBED="1", VLLM_LOGGING_LEVEL="ERROR"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = _result_lines(proc.stdout)
+    got = parse_serve_args(
+        cmds,
+        ["speculative_config", "tokenizer", "attention_backend",
+         "kv_cache_memory_bytes", "language_model_only", "served_model_name",
+         "max_num_seqs"],
+    )  # fmt: skip
     assert got[0]["speculative_config"] == sc.PRESETS["ngram"]
     assert got[1]["speculative_config"] == sc.PRESETS["mtp"]
     assert got[2]["speculative_config"] is None
