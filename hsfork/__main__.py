@@ -24,7 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--with-optional",
         action="store_true",
-        help="include FA2, the MoE kernels and DeepGEMM",
+        help="include FA2, the MoE kernels, DeepGEMM and the Rust frontend",
+    )
+    p.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="PART",
+        help="include one optional part (fa2, moe, deep_gemm, rs); repeatable",
     )
     p.add_argument(
         "--wheels", default=None, help="folder of dependency wheels to include (cp312)"
@@ -60,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             make_bundle(
                 out=args.out,
                 part_size=args.part_size,
-                with_optional=args.with_optional,
+                with_optional=args.with_optional or args.include,
                 wheels=args.wheels,
             )
         elif args.cmd == "fixtures":

@@ -31,6 +31,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Collection
 from pathlib import Path
 
 from .common import REPO, ToolError, dist_dir, fork_dir, info, load_pin, sha256_file
@@ -39,14 +40,15 @@ from .fork import fork_version
 HOST_PACKAGES = Path(__file__).with_name("gpu_host_packages.txt")
 INSTALL_SH = Path(__file__).with_name("install_bundle.sh")
 
-# Big compiled parts that the GPU tests do not need (FA3 and the custom ops
-# stay): left out unless --with-optional.
-OPTIONAL = (
-    "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
-    "vllm/_moe_C_stable_libtorch.abi3.so",
-    "vllm/third_party/deep_gemm/*",
-    "vllm/vllm-rs",
-)
+# Big compiled parts that most GPU tests do not need (FA3 and the custom ops
+# stay): left out unless named with --include (or all with --with-optional).
+# The fused-MoE kernels are needed by MoE models (Qwen3-Next, Kimi-Linear).
+OPTIONAL = {
+    "fa2": "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
+    "moe": "vllm/_moe_C_stable_libtorch.abi3.so",
+    "deep_gemm": "vllm/third_party/deep_gemm/*",
+    "rs": "vllm/vllm-rs",
+}
 # Test-only needs of the fork's conftest on the host.
 TEST_DEPS = ("tblib", "pytest-asyncio")
 PLATFORMS = (
@@ -86,8 +88,29 @@ def host_packages() -> set[str]:
     return names
 
 
-def is_optional(name: str) -> bool:
-    return any(fnmatch.fnmatch(name, pat) for pat in OPTIONAL)
+def is_optional(name: str, include: Collection[str] = ()) -> bool:
+    """Whether ``name`` (a path in the wheel) is an optional part not kept by
+    ``include`` (keys of OPTIONAL)."""
+    return any(
+        fnmatch.fnmatch(name, pat)
+        for key, pat in OPTIONAL.items()
+        if key not in include
+    )
+
+
+def optional_keys(with_optional: bool | Collection[str]) -> frozenset[str]:
+    """The OPTIONAL keys to keep: all for True, none for False, else the named
+    ones (unknown names are an error)."""
+    if with_optional is True:
+        return frozenset(OPTIONAL)
+    if with_optional is False:
+        return frozenset()
+    unknown = set(with_optional) - set(OPTIONAL)
+    if unknown:
+        raise ToolError(
+            f"unknown optional part(s) {sorted(unknown)}; known: {sorted(OPTIONAL)}"
+        )
+    return frozenset(with_optional)
 
 
 # ---------------------------------------------------------------------------
@@ -237,15 +260,16 @@ def write_payload(
     wheel: Path,
     dep_wheels: list[Path],
     repo_files: dict[str, Path],
-    with_optional: bool,
+    with_optional: bool | Collection[str],
     strip: bool = True,
 ) -> dict:
+    keep = optional_keys(with_optional)
     contents = {"site": 0, "wheels": [], "excluded": [], "stripped": []}
     with tarfile.open(tar_path, "w") as tar, zipfile.ZipFile(wheel) as whl:
         for zi in whl.infolist():
             if zi.is_dir():
                 continue
-            if not with_optional and is_optional(zi.filename):
+            if is_optional(zi.filename, keep):
                 contents["excluded"].append(zi.filename)
                 continue
             data = whl.read(zi)
@@ -299,7 +323,7 @@ def build_bundle(
     repo_files: dict[str, Path],
     version: str,
     part_size: int,
-    with_optional: bool = False,
+    with_optional: bool | Collection[str] = False,
     level: str = "9e",
     strip: bool = True,
 ) -> dict:
@@ -329,7 +353,7 @@ def build_bundle(
                 for p in parts
             ],
             "part_size": part_size,
-            "with_optional": with_optional,
+            "with_optional": sorted(optional_keys(with_optional)),
             "assumes": {
                 "python": "CPython 3.12, x86_64 Linux",
                 "preinstalled": "torch 2.11.0+cu130 and the packages in "
@@ -360,7 +384,7 @@ def repo_payload_files() -> dict[str, Path]:
 def make_bundle(
     out: str | None = None,
     part_size: str = "60M",
-    with_optional: bool = False,
+    with_optional: bool | Collection[str] = False,
     wheels: str | None = None,
 ) -> dict:
     pin = load_pin()

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hsfork.bundle import build_bundle, is_optional, parse_size
+from hsfork.common import ToolError
 
 VERSION = "0.26.0+hybridspec.p0.test"
 
@@ -148,6 +149,19 @@ def test_with_optional_keeps_everything(tmp_path):
     m = build_bundle(tmp_path / "b", wheel, [], {}, VERSION, 1 << 20, True, level="1")
     assert m["contents"]["excluded"] == []
     assert len(m["parts"]) == 1
+
+
+def test_include_keeps_only_the_named_optional_part(tmp_path):
+    wheel = _fake_fork_wheel(tmp_path / "v.whl")
+    m = build_bundle(
+        tmp_path / "b", wheel, [], {}, VERSION, 1 << 20, ["fa2"], level="1"
+    )
+    assert m["contents"]["excluded"] == [
+        "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so"
+    ]
+    assert m["with_optional"] == ["fa2"]
+    with pytest.raises(ToolError, match="unknown optional part"):
+        build_bundle(tmp_path / "c", wheel, [], {}, VERSION, 1 << 20, ["fa3"])
 
 
 def test_parse_size():
