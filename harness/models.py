@@ -113,7 +113,23 @@ def qwen3_5_config(vocab: int = VOCAB, mtp_layers: int = 1) -> dict:
     }
 
 
-def nemotron_h_config(vocab: int = VOCAB) -> dict:
+def nemotron_h_config(vocab: int = VOCAB, mtp_layers: int = 1) -> dict:
+    """NemotronH with, for ``mtp_layers`` 1, one MTP step of a single
+    attention layer (``mtp_hybrid_override_pattern`` "*": vLLM's
+    ``NemotronHMTP`` builds "*" and "E" steps; published checkpoints use
+    "*E", the MoE part is left out here). With MTP the config's ``dtype`` is
+    bfloat16, the dtype the harness runs it in: vLLM's ``NemotronHMTP``
+    creates its ``eh_proj`` in ``config.dtype``, not the engine's dtype
+    (published checkpoints say bfloat16)."""
+    mtp = (
+        {
+            "num_nextn_predict_layers": mtp_layers,
+            "mtp_hybrid_override_pattern": "*",
+            "dtype": "bfloat16",
+        }
+        if mtp_layers
+        else {}
+    )
     return {
         "architectures": ["NemotronHForCausalLM"],
         "model_type": "nemotron_h",
@@ -152,7 +168,7 @@ def nemotron_h_config(vocab: int = VOCAB) -> dict:
         "bos_token_id": 1,
         "pad_token_id": 0,
         "dtype": "float32",
-    }
+    } | mtp
 
 
 def qwen3_next_config(vocab: int = VOCAB, mtp_layers: int = 1) -> dict:
@@ -416,9 +432,10 @@ FIXTURES: dict[str, dict] = {
     "nemotron_h": {
         "architecture": "NemotronHForCausalLM",
         "mixers": "Mamba2 + attention",
-        "mtp": False,
-        "mtp_architecture": None,
-        "dtype": "float32",
+        "mtp": True,
+        "mtp_architecture": "NemotronHMTPModel",
+        # NemotronHMTP's eh_proj takes the config's dtype (nemotron_h_config)
+        "dtype": "bfloat16",
         "engine_kwargs": {},
     },
     "qwen3_next": {
@@ -511,6 +528,35 @@ def _qwen3_next_mtp_tensors(tensors: dict, cfg: dict, seed: int) -> dict:
     return _mtp_layer_tensors(tensors, cfg, "model.", seed, torch.clone)
 
 
+def _nemotron_h_mtp_tensors(tensors: dict, cfg: dict, seed: int) -> dict:
+    """NemotronH's ``mtp.*`` weights for pattern "*" (what vLLM's
+    ``NemotronHMTP`` loads): ``mtp.layers.0`` is an attention layer with the
+    model's attention names and shapes (weights redrawn normal(0,
+    initializer_range), its pre-norm kept), the fusion ``eh_proj`` (h, 2h)
+    and the norms ``enorm``, ``hnorm`` and ``final_layernorm`` (the model's
+    final norm weight). The drafter shares the target's ``lm_head``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 2)
+    std = cfg["initializer_range"]
+    h = cfg["hidden_size"]
+    attn = cfg["hybrid_override_pattern"].index("*")
+    prefix = f"model.layers.{attn}."
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith(prefix):
+            new = "mtp.layers.0." + name[len(prefix) :]
+            out[new] = (
+                t.clone()
+                if name.endswith("norm.weight")
+                else torch.randn(t.shape, generator=g) * std
+            )
+    out["mtp.layers.0.eh_proj.weight"] = torch.randn((h, 2 * h), generator=g) * std
+    for mtp_norm in ("enorm", "hnorm", "final_layernorm"):
+        out[f"mtp.layers.0.{mtp_norm}.weight"] = tensors["model.norm_f.weight"].clone()
+    return out
+
+
 def _hf_model(kind: str, vocab: int, mtp: bool):
     """``(config dict, transformers model)`` of ``kind``."""
     if kind == "qwen3_5":
@@ -521,11 +567,12 @@ def _hf_model(kind: str, vocab: int, mtp: bool):
     if kind == "nemotron_h":
         from transformers import NemotronHConfig, NemotronHForCausalLM
 
-        cfg_dict = nemotron_h_config(vocab)
+        # the transformers model is the target alone: MTP weights are added
+        # by write_model (_nemotron_h_mtp_tensors)
+        cfg_dict = nemotron_h_config(vocab, mtp_layers=1 if mtp else 0)
+        skip = ("architectures", "num_nextn_predict_layers", "dtype")
         return cfg_dict, NemotronHForCausalLM(
-            NemotronHConfig(
-                **{k: v for k, v in cfg_dict.items() if k not in ("architectures",)}
-            )
+            NemotronHConfig(**{k: v for k, v in cfg_dict.items() if k not in skip})
         )
     if kind == "qwen3_next":
         from transformers import Qwen3NextConfig as cfg_cls
@@ -622,6 +669,8 @@ def write_model(
         tensors.update(_mtp_tensors(model, cfg_dict["text_config"], seed))
     if kind == "qwen3_next" and mtp:
         tensors.update(_qwen3_next_mtp_tensors(tensors, cfg_dict, seed))
+    if kind == "nemotron_h" and mtp:
+        tensors.update(_nemotron_h_mtp_tensors(tensors, cfg_dict, seed))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
     (out / "generation_config.json").write_text(

@@ -208,7 +208,7 @@ def test_vllm_model_loads_every_parameter(vllm_results, spec):
     assert r["unloaded"] == [], r["unloaded"]
     assert r["unexpected"] == [], r["unexpected"]
     assert r["nan"] == [], r["nan"]
-    assert r["params"] > 10
+    assert r["params"] >= 8  # the smallest: an MTP step of one attention layer
 
 
 # -- the subprocess ----------------------------------------------------------
@@ -281,10 +281,19 @@ def _check(path: str, arch: str, dtype: str, init) -> dict:
         return {n.replace(".routed_experts.", ".") for n in names}
 
     names, loaded = norm(params), norm(loaded)
+    # vLLM's MTP/EAGLE loaders give a drafter without its own lm_head the
+    # target's (load_eagle_model, _maybe_share_lm_head): not in the checkpoint
+    shared = set()
+    if arch.endswith(("MTP", "MTPModel")) and not getattr(
+        model, "has_own_lm_head", False
+    ):
+        shared = {"lm_head.weight"} - loaded
     return {
-        "unloaded": sorted(names - loaded),
+        "unloaded": sorted(names - loaded - shared),
         "unexpected": sorted(loaded - names),
-        "nan": sorted(n for n, p in params.items() if p.isnan().any()),
+        "nan": sorted(
+            n for n, p in params.items() if n not in shared and p.isnan().any()
+        ),
         "params": len(params),
     }
 
