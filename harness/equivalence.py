@@ -538,10 +538,28 @@ def slice_cells(name: str) -> list[Cell]:
         return cells
     if name.startswith("v1-matrix-"):
         return _v1_matrix(name.removeprefix("v1-matrix-"))
+    if name.startswith("mrv2-matrix-"):
+        return _mrv2_matrix(name.removeprefix("mrv2-matrix-"))
     if name.startswith("fa-"):
         return _fastapply_matrix(name.removeprefix("fa-"))
     if name.startswith("tq-"):
         return _turboquant_matrix(name.removeprefix("tq-"))
+    if name == "chunked-align-probe":
+        # isolates the chunked-prefill + align-mode divergence the full matrix
+        # found on both variants (reports/equivalence/full-2026-11-21-s5):
+        # no drafts at all, all drafts accepted, sync scheduling, both runners
+        fa, r2 = FASTAPPLY, "mrv2"
+        kw = {"cache_mode": "align", "chunked": True}
+        return [
+            Cell(fa, "scripted:all_zero", 3, 16, max_tokens=128, **kw),
+            Cell(fa, "scripted:all_accept", 3, 16, max_tokens=128, **kw),
+            Cell(fa, "mtp", 3, 16, max_tokens=128, **kw),
+            Cell("qwen3_5", "scripted:heterogeneous", 4, 16, **kw),
+            Cell("nemotron_h", "scripted:heterogeneous", 4, 16, **kw),
+            Cell("nemotron_h", "scripted:all_zero", 4, 16, r2, **kw),
+            Cell("nemotron_h", "scripted:all_accept", 4, 16, r2, **kw),
+            Cell("nemotron_h", "mtp", 3, 16, r2, async_sched=True, **kw),
+        ]
     if name == "v1-more-models":
         # the other generated fixtures on V1 (bf16): Qwen3-Next (GDN, MoE,
         # MTP), Granite-4.0-H (Mamba2), Kimi-Linear (KDA: the fork refuses
@@ -587,6 +605,15 @@ def _v1_matrix(part: str) -> list[Cell]:
             Cell(m, "scripted:random", 4, 16, preempt=True),
             Cell(m, "ngram", 8, 16, preempt=True),
         ]
+    if part == "n-drafters":
+        # NemotronH's MTP head (harness.models: one attention layer)
+        m = "nemotron_h"
+        return [
+            Cell(m, "mtp", 1, 8),
+            Cell(m, "mtp", 3, 8, async_sched=True),
+            Cell(m, "mtp", 3, 8, cache_mode="align", async_sched=True),
+            Cell(m, "mtp", 3, 8, graphs=fp, async_sched=True),
+        ]
     if part == "q-drafters":
         m = "qwen3_5"
         return [
@@ -600,6 +627,29 @@ def _v1_matrix(part: str) -> list[Cell]:
             Cell(m, "mtp", 3, 8, cache_mode="align", graphs=fp, async_sched=True),
         ]
     raise ValueError(f"unknown matrix part {part}")
+
+
+def _mrv2_matrix(part: str) -> list[Cell]:
+    """Model Runner V2 on the random-weight fixtures (``q``: Qwen3.5, GDN;
+    ``n``: NemotronH, Mamba2), both through their MTP heads: scripted
+    schedules (played through the MTP speculator, harness.drafter_mrv2; sync
+    scheduling, so zero-draft rows are real), MTP itself with async
+    scheduling, none and align mode with prefix hits, BS 64 heterogeneous,
+    chunked prefill, preemption and CUDA graphs."""
+    m = {"q": "qwen3_5", "n": "nemotron_h"}.get(part)
+    if m is None:
+        raise ValueError(f"unknown MRV2 matrix part {part}")
+    fp, r = "full_and_piecewise", "mrv2"
+    return [
+        Cell(m, "scripted:accept_then_zero", 4, 8, r),
+        Cell(m, "scripted:heterogeneous", 4, 64, r),
+        Cell(m, "scripted:accept_then_zero", 4, 8, r, "align"),
+        Cell(m, "scripted:boundary", 4, 8, r, "align"),
+        Cell(m, "scripted:heterogeneous", 4, 16, r, "align", chunked=True),
+        Cell(m, "scripted:random", 4, 16, r, preempt=True),
+        Cell(m, "mtp", 3, 8, r, async_sched=True),
+        Cell(m, "mtp", 3, 8, r, "align", fp, async_sched=True),
+    ]
 
 
 def _fastapply_matrix(runner: str) -> list[Cell]:

@@ -384,3 +384,45 @@ def test_turboquant_prefill_falls_back_to_sdpa_without_fa2(monkeypatch):
     assert eq.turboquant_prefill() == "sdpa"
     assert turboquant_attn._HAS_FLASH_ATTN is False
     assert eq.turboquant_prefill() == "sdpa"
+
+
+def test_full_matrix_runs_cover_both_runners_and_every_fixture():
+    from harness.full_matrix import RUNS, expected_cells
+
+    assert sorted(RUNS) == [1, 2, 3]
+    cells = [k for _, k in expected_cells()]
+    by_runner = {r: {c["model"] for c in cells if c["runner"] == r}
+                 for r in ("v1", "mrv2")}  # fmt: skip
+    assert by_runner["v1"] >= {"qwen3_5", "nemotron_h", "fastapply", "qwen3_next",
+                               "granitemoehybrid", "kimi_linear"}  # fmt: skip
+    # Mamba2 and GDN on Model Runner V2 (through their MTP heads)
+    assert by_runner["mrv2"] >= {"qwen3_5", "nemotron_h", "fastapply"}
+    for runner in ("v1", "mrv2"):
+        mine = [c for c in cells if c["runner"] == runner]
+        assert {c["cache_mode"] for c in mine} == {"none", "align"}
+        assert {c["graphs"] for c in mine} == {"eager", "full_and_piecewise"}
+        for flag in ("chunked", "preempt", "async"):
+            assert any(c[flag] for c in mine), (runner, flag)
+        assert any(c["drafter"].startswith("scripted:") for c in mine)
+        assert {c["k"] for c in mine if c["drafter"] == "mtp"} == {1, 3}
+    assert any(c["drafter"] == "ngram" and c["k"] == 64 for c in cells)
+
+
+def test_full_matrix_summary_lists_unrun_cells(tmp_path):
+    from harness.equivalence import slice_cells
+    from harness.full_matrix import RUNS, expected_cells, summarize
+
+    first = slice_cells(RUNS[1][0])[0].key()
+    done = {**first, "prompts": 8, "tokens": 100, "divergences": 0, "ties": 0,
+            "status": "ok"}  # fmt: skip
+    bad = {**done, "status": "diverged", "divergences": 7}
+    (tmp_path / "v1-smoke-fork.json").write_text(json.dumps([done]))
+    (tmp_path / "v1-smoke-upstream.json").write_text(json.dumps([bad]))
+    counts = summarize(tmp_path, "t")
+    n = len({tuple(sorted(k.items())) for _, k in expected_cells()})
+    assert counts["fork"] == {"ok": 1, "not run": n - 1}
+    assert counts["upstream"] == {"diverged": 1, "not run": n - 1}
+    text = (tmp_path / "FULL.md").read_text()
+    assert "ok: 0 div, 0 ties / 100 tok | **diverged**: 7 div" in text
+    assert text.count("not run | not run") == n - 1
+    assert (tmp_path / "full-fork.png").exists()

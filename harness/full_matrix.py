@@ -1,0 +1,143 @@
+"""The whole equivalence matrix in three GPU calls, and its one summary.
+
+``RUNS`` splits the slices of :mod:`harness.equivalence` into three groups
+that each fit one 10-minute call (``harness/gpu_full_matrix.sh N`` runs group
+``N`` for the fork and upstream v0.26.0 side by side, one process per slice
+and variant):
+
+1. V1 runner, random-weight fixtures (Qwen3.5: GDN, NemotronH: Mamba2):
+   every scripted schedule, n-gram k=5/64, BS 64 heterogeneous, align mode
+   with prefix hits, chunked prefill, preemption, CUDA graphs;
+2. V1 runner, the drafters: MTP on Qwen3.5 and NemotronH (async scheduling,
+   graphs, align), the trained fast-apply fixture (n-gram k=64, MTP),
+   TurboQuant KV cache, and Qwen3-Next / Granite-4.0-H / Kimi-Linear;
+3. Model Runner V2: the fast-apply fixture, TurboQuant, and both
+   random-weight fixtures through their MTP heads (scripted and MTP).
+
+``python -m harness.full_matrix summarize DIR`` reads every report of the
+three calls in ``DIR`` and writes ``FULL.md`` (one line per cell, fork and
+upstream side by side; a cell a call's deadline left unstarted is listed as
+``not run``) and a heatmap per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+RUNS: dict[int, tuple[str, ...]] = {
+    1: (
+        "v1-smoke",
+        "v1-chunked",
+        "v1-matrix-q-state",
+        "v1-matrix-n-state",
+        "v1-matrix-q-preempt",
+        "v1-matrix-n-preempt",
+    ),
+    2: (
+        "v1-matrix-q-drafters",
+        "v1-matrix-n-drafters",
+        "fa-v1",
+        "tq-v1",
+        "v1-more-models",
+    ),
+    3: ("fa-mrv2", "tq-mrv2", "mrv2-matrix-q", "mrv2-matrix-n"),
+}
+VARIANTS = ("fork", "upstream")
+
+
+def expected_cells() -> list[tuple[str, dict]]:
+    """(slice, cell key) of every cell of the three runs, in run order."""
+    from .equivalence import slice_cells
+
+    return [(s, c.key()) for n in sorted(RUNS) for s in RUNS[n] for c in slice_cells(s)]
+
+
+def _key(cell: dict) -> tuple:
+    from .report import SIDE_KEY
+
+    return tuple(cell.get(k, "auto" if k == "kv_cache_dtype" else None)
+                 for k in SIDE_KEY)  # fmt: skip
+
+
+def collect(report_dir: Path) -> dict[str, dict[tuple, tuple[dict, str]]]:
+    """variant -> cell key -> (reported cell, file name), from the slice
+    reports ``<slice>-<variant>.json`` in ``report_dir``."""
+    got: dict[str, dict[tuple, tuple[dict, str]]] = {v: {} for v in VARIANTS}
+    for f in sorted(report_dir.glob("*.json")):
+        variant = "upstream" if "upstream" in f.name else "fork"
+        for c in json.loads(f.read_text()):
+            got[variant].setdefault(_key(c), (c, f.name))
+    return got
+
+
+def _text(x: tuple[dict, str] | None) -> str:
+    if x is None:
+        return "not run"
+    c, _ = x
+    s = c["status"]
+    if s in ("ok", "diverged"):
+        word = "**diverged**" if s == "diverged" else "ok"
+        return f"{word}: {c['divergences']} div, {c['ties']} ties / {c['tokens']} tok"
+    return s
+
+
+def summarize(report_dir: Path, title: str) -> dict[str, Counter]:
+    """Write FULL.md and full-<variant>.png into ``report_dir``; return the
+    status counts per variant (``not run`` included)."""
+    from .report import SIDE_KEY, heatmap
+
+    got = collect(report_dir)
+    counts = {v: Counter() for v in VARIANTS}
+    lines = [
+        "| slice | " + " | ".join(SIDE_KEY) + " | fork | upstream v0.26.0 |",
+        "|" + "---|" * (len(SIDE_KEY) + 3),
+    ]
+    seen = set()
+    for slice_name, key in expected_cells():
+        k = tuple(key.get(x) for x in SIDE_KEY)
+        if k in seen:  # a cell two slices share is reported once
+            continue
+        seen.add(k)
+        res = {v: got[v].get(k) for v in VARIANTS}
+        for v in VARIANTS:
+            counts[v][res[v][0]["status"] if res[v] else "not run"] += 1
+        lines.append(
+            f"| {slice_name} | " + " | ".join(map(str, k)) + " | "
+            + " | ".join(_text(res[v]) for v in VARIANTS) + " |"
+        )  # fmt: skip
+    head = [f"# {title}", ""]
+    for v in VARIANTS:
+        head.append(
+            f"- {v}: "
+            + ", ".join(f"{n} {s}" for s, n in sorted(counts[v].items()))
+            + f" (of {len(seen)} cells)"
+        )
+    (report_dir / "FULL.md").write_text("\n".join(head + [""] + lines) + "\n")
+    for v in VARIANTS:
+        cells = [c for c, _ in got[v].values()]
+        if cells:
+            heatmap(cells, report_dir / f"full-{v}.png", f"{title}: {v}")
+    return counts
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("slices", help="print the slices of run N")
+    p.add_argument("run", type=int, choices=sorted(RUNS))
+    p = sub.add_parser("summarize", help="write FULL.md and heatmaps")
+    p.add_argument("dir")
+    p.add_argument("--title", default="Equivalence matrix, fork vs upstream v0.26.0")
+    a = ap.parse_args(argv)
+    if a.cmd == "slices":
+        print(" ".join(RUNS[a.run]))
+    else:
+        counts = summarize(Path(a.dir), a.title)
+        print(json.dumps({v: dict(c) for v, c in counts.items()}))
+
+
+if __name__ == "__main__":
+    main()

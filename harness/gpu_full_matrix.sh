@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One of the three calls of the whole equivalence matrix (harness/full_matrix.py
+# RUNS), fork and upstream v0.26.0 side by side, on a GPU host with the bundle
+# installed at /tmp/hybridspec:
+#
+#   bash harness/gpu_full_matrix.sh N [DEADLINE_S]     # N = 1, 2 or 3
+#
+# Reports go to $OUT/equivalence, logs to $OUT/logs; after the three calls,
+# `python -m harness.full_matrix summarize DIR` over the reports of all three.
+set -u
+N=${1:?run number 1, 2 or 3}
+DEADLINE=${2:-360}
+SLICES=$(python3 -m harness.full_matrix slices "$N") || exit 1
+# one process per slice and variant share the GPU
+HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.07} exec bash "$(dirname "$0")/gpu_matrix.sh" \
+  "fork upstream" "$SLICES" "$DEADLINE"
