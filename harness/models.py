@@ -478,6 +478,23 @@ def _shape_weights(model, kind: str, lm_head_std: float, seed: int) -> None:
             e.copy_(torch.randn(e.shape, generator=g) * EMBED_STD[kind])
 
 
+def _mtp_layer_copy(state: dict, prefix: str, g, std: float, norm) -> dict:
+    """``mtp.layers.0.*``: the names and shapes of the model's layer under
+    ``prefix``, weights redrawn normal(0, ``std``) from generator ``g``,
+    norm weights ``norm(t)`` of the model's."""
+    import torch
+
+    out = {}
+    for name, t in state.items():
+        if name.startswith(prefix):
+            new = "mtp.layers.0." + name[len(prefix) :]
+            if name.endswith("norm.weight"):
+                out[new] = norm(t)
+            else:
+                out[new] = torch.randn(t.shape, generator=g) * std
+    return out
+
+
 def _mtp_layer_tensors(state: dict, cfg: dict, base: str, seed: int, norm) -> dict:
     """Weights for ``mtp.*`` in the layout of published Qwen3.5 and
     Qwen3-Next checkpoints (what vLLM's ``Qwen3_5MTP`` and ``Qwen3NextMTP``
@@ -494,15 +511,7 @@ def _mtp_layer_tensors(state: dict, cfg: dict, base: str, seed: int, norm) -> di
     std = cfg["initializer_range"]
     h = cfg["hidden_size"]
     full = cfg["layer_types"].index("full_attention")
-    prefix = f"{base}layers.{full}."
-    out = {}
-    for name, t in state.items():
-        if name.startswith(prefix):
-            new = "mtp.layers.0." + name[len(prefix) :]
-            if name.endswith("norm.weight"):
-                out[new] = norm(t)
-            else:
-                out[new] = torch.randn(t.shape, generator=g) * std
+    out = _mtp_layer_copy(state, f"{base}layers.{full}.", g, std, norm)
     out["mtp.fc.weight"] = torch.randn((h, 2 * h), generator=g) * std
     for mtp_norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
         out[f"mtp.{mtp_norm}.weight"] = norm(state[f"{base}norm.weight"])
@@ -541,16 +550,7 @@ def _nemotron_h_mtp_tensors(tensors: dict, cfg: dict, seed: int) -> dict:
     std = cfg["initializer_range"]
     h = cfg["hidden_size"]
     attn = cfg["hybrid_override_pattern"].index("*")
-    prefix = f"model.layers.{attn}."
-    out = {}
-    for name, t in tensors.items():
-        if name.startswith(prefix):
-            new = "mtp.layers.0." + name[len(prefix) :]
-            out[new] = (
-                t.clone()
-                if name.endswith("norm.weight")
-                else torch.randn(t.shape, generator=g) * std
-            )
+    out = _mtp_layer_copy(tensors, f"model.layers.{attn}.", g, std, torch.clone)
     out["mtp.layers.0.eh_proj.weight"] = torch.randn((h, 2 * h), generator=g) * std
     for mtp_norm in ("enorm", "hnorm", "final_layernorm"):
         out[f"mtp.layers.0.{mtp_norm}.weight"] = tensors["model.norm_f.weight"].clone()
