@@ -30,6 +30,7 @@ from .models import FIRST_SPECIAL_ID, VOCAB
 # the trained fast-apply fixture (``harness.fastapply``; its MTP head is
 # trained too), committed in the repository
 FASTAPPLY = "fastapply"
+SELF_DRAFT = "<the cell's own model>"  # draft_model cells: the target drafts
 FASTAPPLY_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "fastapply"
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -155,9 +156,17 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
         kw["kv_cache_dtype"] = cell.kv_cache_dtype
         kw.pop("attention_backend")
     if spec:
+        if spec.get("model") == SELF_DRAFT:
+            spec = {**spec, "model": draft_dir(model_dir)}
         kw["speculative_config"] = spec
     kw.update(cell.extra)
     return kw
+
+
+def draft_dir(model_dir: str) -> str:
+    """Where a draft_model cell's drafter (the target without MTP layers)
+    is written."""
+    return model_dir.rstrip("/") + "-draft"
 
 
 def spec_config(cell: Cell) -> dict | None:
@@ -172,6 +181,14 @@ def spec_config(cell: Cell) -> dict | None:
         }
     if cell.drafter == "mtp":
         return {"method": "mtp", "num_speculative_tokens": cell.k}
+    if cell.drafter == "draft_model":
+        # the fixture drafts for itself (a hybrid draft model with recurrent
+        # state of its own); engine_kwargs puts in draft_dir(model folder)
+        return {
+            "method": "draft_model",
+            "model": SELF_DRAFT,
+            "num_speculative_tokens": cell.k,
+        }
     if cell.drafter.startswith("scripted:"):
         if cell.runner == "mrv2":
             # MRV2 has no custom_class method: the MTP speculator's drafts are
@@ -416,6 +433,13 @@ def run_cells(
                     )
                 )
             model_dir = models[cell.model]
+            if (
+                cell.drafter == "draft_model"
+                and not Path(draft_dir(model_dir)).exists()
+            ):
+                # the same weights without MTP layers: vLLM loads a checkpoint
+                # with MTP layers as an MTP drafter, not as a draft model
+                write_model(cell.model, draft_dir(model_dir), seed=seed, mtp=False)
             n = max(n_prompts, cell.batch)
             two_waves = cell.cache_mode == "align"
             rkey = (cell.model, cell.dtype, n, cell.max_tokens, two_waves,
@@ -560,6 +584,18 @@ def slice_cells(name: str) -> list[Cell]:
             Cell("nemotron_h", "scripted:all_accept", 4, 16, r2, **kw),
             Cell("nemotron_h", "mtp", 3, 16, r2, async_sched=True, **kw),
         ]
+    if name == "draft-model-probe":
+        # the draft_model method with a hybrid draft model: NemotronH drafts
+        # for itself (greedy drafts are always right, so every step accepts
+        # k; the drafter's own Mamba2 state must follow), both runners. A
+        # Qwen3.5 draft is not a draft model in v0.26.0: SpeculativeConfig's
+        # hf_config_override turns every qwen3_5 checkpoint into Qwen3_5MTP
+        # and the method into "mtp" (one V1 cell records what that does)
+        return [
+            Cell("nemotron_h", "draft_model", 3, 8, r, cache_mode=cm)
+            for r in ("v1", "mrv2")
+            for cm in ("none", "align")
+        ] + [Cell("qwen3_5", "draft_model", 3, 8)]
     if name == "v1-more-models":
         # the other generated fixtures on V1 (bf16): Qwen3-Next (GDN, MoE,
         # MTP), Granite-4.0-H (Mamba2), Kimi-Linear (KDA: the fork refuses

@@ -12,7 +12,9 @@ and variant):
    graphs, align), the trained fast-apply fixture (n-gram k=64, MTP),
    TurboQuant KV cache, and Qwen3-Next / Granite-4.0-H / Kimi-Linear;
 3. Model Runner V2: the fast-apply fixture, TurboQuant, and both
-   random-weight fixtures through their MTP heads (scripted and MTP).
+   random-weight fixtures through their MTP heads (scripted and MTP); the
+   draft_model method with a hybrid draft model on both runners (added
+   after the 2026-11-21 run: not run yet).
 
 ``python -m harness.full_matrix summarize DIR`` reads every report of the
 three calls in ``DIR`` and writes ``FULL.md`` (one line per cell, fork and
@@ -43,7 +45,7 @@ RUNS: dict[int, tuple[str, ...]] = {
         "tq-v1",
         "v1-more-models",
     ),
-    3: ("fa-mrv2", "tq-mrv2", "mrv2-matrix-q", "mrv2-matrix-n"),
+    3: ("fa-mrv2", "tq-mrv2", "mrv2-matrix-q", "mrv2-matrix-n", "draft-model-probe"),
 }
 VARIANTS = ("fork", "upstream")
 

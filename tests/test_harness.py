@@ -426,3 +426,16 @@ def test_full_matrix_summary_lists_unrun_cells(tmp_path):
     assert "ok: 0 div, 0 ties / 100 tok | **diverged**: 7 div" in text
     assert text.count("not run | not run") == n - 1
     assert (tmp_path / "full-fork.png").exists()
+
+
+def test_draft_model_cells_draft_with_their_own_model():
+    from harness.equivalence import engine_kwargs, slice_cells, spec_config
+
+    cells = slice_cells("draft-model-probe")
+    assert {c.runner for c in cells} == {"v1", "mrv2"}
+    kw = engine_kwargs(cells[0], "/m/nemotron_h", spec_config(cells[0]))
+    assert kw["speculative_config"] == {
+        "method": "draft_model",
+        "model": "/m/nemotron_h-draft",
+        "num_speculative_tokens": 3,
+    }
