@@ -770,6 +770,11 @@ def _turboquant_matrix(runner: str) -> list[Cell]:
         Cell(fa, "mtp", 1, 8, runner, graphs=fp, max_tokens=mt, kv_cache_dtype=d),
         Cell(fa, "ngram", 8, 8, runner, graphs=fp, max_tokens=mt, kv_cache_dtype=d),
         Cell(fa, "ngram", 8, 8, runner, max_tokens=mt, kv_cache_dtype=d),
+        # align mode: a second wave hits the prefix cache on blocks written
+        # while MTP drafts crossed block boundaries (added after the
+        # 2026-11-21 runs)
+        Cell(fa, "mtp", 3, 16, runner, "align", fp, async_sched=True,
+             max_tokens=mt, kv_cache_dtype=d),
     ]  # fmt: skip
     if runner not in ("v1", "mrv2"):
         raise ValueError(f"unknown runner {runner}")
