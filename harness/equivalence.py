@@ -682,6 +682,9 @@ def _mrv2_matrix(part: str) -> list[Cell]:
         Cell(m, "scripted:accept_then_zero", 4, 8, r, "align"),
         Cell(m, "scripted:boundary", 4, 8, r, "align"),
         Cell(m, "scripted:heterogeneous", 4, 16, r, "align", chunked=True),
+        # mixed draft counts next to short prefill chunks without align mode
+        # (patch 0018; added after the 2026-11-21 run)
+        Cell(m, "scripted:heterogeneous", 4, 16, r, chunked=True),
         Cell(m, "scripted:random", 4, 16, r, preempt=True),
         Cell(m, "mtp", 3, 8, r, async_sched=True),
         Cell(m, "mtp", 3, 8, r, "align", fp, async_sched=True),
