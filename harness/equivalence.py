@@ -30,7 +30,9 @@ from .models import FIRST_SPECIAL_ID, VOCAB
 # the trained fast-apply fixture (``harness.fastapply``; its MTP head is
 # trained too), committed in the repository
 FASTAPPLY = "fastapply"
-SELF_DRAFT = "<the cell's own model>"  # draft_model cells: the target drafts
+# a spec config's "model" for drafters the harness writes beside the target
+# (draft_model: the target without MTP layers; eagle3: an EAGLE-3 head)
+DRAFTER_DIR = "<written beside the cell's model>"
 FASTAPPLY_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "fastapply"
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -156,17 +158,37 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
         kw["kv_cache_dtype"] = cell.kv_cache_dtype
         kw.pop("attention_backend")
     if spec:
-        if spec.get("model") == SELF_DRAFT:
-            spec = {**spec, "model": draft_dir(model_dir)}
+        if spec.get("model") == DRAFTER_DIR:
+            spec = {**spec, "model": drafter_dir(model_dir, cell.drafter)}
         kw["speculative_config"] = spec
     kw.update(cell.extra)
     return kw
 
 
-def draft_dir(model_dir: str) -> str:
-    """Where a draft_model cell's drafter (the target without MTP layers)
-    is written."""
-    return model_dir.rstrip("/") + "-draft"
+def drafter_dir(model_dir: str, drafter: str) -> str:
+    """Where the drafter of a draft_model or eagle3 cell is written: beside
+    a generated model, in the temp folder for the committed fast-apply
+    fixture."""
+    if Path(model_dir).resolve() == FASTAPPLY_DIR.resolve():
+        return str(Path(tempfile.gettempdir()) / f"hsfork-fastapply-{drafter}")
+    return f"{model_dir.rstrip('/')}-{drafter}"
+
+
+def write_drafter(cell: Cell, model_dir: str, seed: int) -> None:
+    """Write the drafter of a draft_model cell (the target's weights without
+    MTP layers: vLLM loads a checkpoint with MTP layers as an MTP drafter,
+    not as a draft model) or of an eagle3 cell (a random-weight EAGLE-3 head,
+    harness.models.write_eagle3_head), once per model folder."""
+    from .models import write_eagle3_head, write_model
+
+    out = Path(drafter_dir(model_dir, cell.drafter))
+    if out.exists():
+        return
+    if cell.drafter == "draft_model":
+        write_model(cell.model, out, seed=seed, mtp=False)
+    elif cell.drafter == "eagle3":
+        # the fast-apply fixture's head is shared by runs: always seed 0
+        write_eagle3_head(model_dir, out, seed=0 if cell.model == FASTAPPLY else seed)
 
 
 def spec_config(cell: Cell) -> dict | None:
@@ -181,12 +203,14 @@ def spec_config(cell: Cell) -> dict | None:
         }
     if cell.drafter == "mtp":
         return {"method": "mtp", "num_speculative_tokens": cell.k}
-    if cell.drafter == "draft_model":
-        # the fixture drafts for itself (a hybrid draft model with recurrent
-        # state of its own); engine_kwargs puts in draft_dir(model folder)
+    if cell.drafter in ("draft_model", "eagle3"):
+        # draft_model: the fixture drafts for itself (a hybrid draft model
+        # with recurrent state of its own); eagle3: an EAGLE-3 head reading
+        # the target's hidden states. engine_kwargs puts in the folder
+        # (drafter_dir) that run_cells writes.
         return {
-            "method": "draft_model",
-            "model": SELF_DRAFT,
+            "method": cell.drafter,
+            "model": DRAFTER_DIR,
             "num_speculative_tokens": cell.k,
         }
     if cell.drafter.startswith("scripted:"):
@@ -433,13 +457,7 @@ def run_cells(
                     )
                 )
             model_dir = models[cell.model]
-            if (
-                cell.drafter == "draft_model"
-                and not Path(draft_dir(model_dir)).exists()
-            ):
-                # the same weights without MTP layers: vLLM loads a checkpoint
-                # with MTP layers as an MTP drafter, not as a draft model
-                write_model(cell.model, draft_dir(model_dir), seed=seed, mtp=False)
+            write_drafter(cell, model_dir, seed)
             n = max(n_prompts, cell.batch)
             two_waves = cell.cache_mode == "align"
             rkey = (cell.model, cell.dtype, n, cell.max_tokens, two_waves,
@@ -596,6 +614,22 @@ def slice_cells(name: str) -> list[Cell]:
             for r in ("v1", "mrv2")
             for cm in ("none", "align")
         ] + [Cell("qwen3_5", "draft_model", 3, 8)]
+    if name == "eagle3-probe":
+        # EAGLE-3 drafting on a GDN hybrid: a random-weight head for the
+        # random Qwen3.5 and for the trained fast-apply model (mostly rejected
+        # drafts), both runners, none and align mode with prefix hits, async
+        # scheduling, CUDA graphs, and with a TurboQuant KV cache
+        fp = "full_and_piecewise"
+        return [
+            Cell(m, "eagle3", 3, 8, r, cm, async_sched=True)
+            for r in ("v1", "mrv2")
+            for m in ("qwen3_5", FASTAPPLY)
+            for cm in ("none", "align")
+        ] + [
+            Cell(FASTAPPLY, "eagle3", 3, 8, "v1", graphs=fp, async_sched=True),
+            Cell(FASTAPPLY, "eagle3", 3, 8, "v1", graphs=fp, async_sched=True,
+                 kv_cache_dtype="turboquant_k8v4"),
+        ]  # fmt: skip
     if name == "v1-more-models":
         # the other generated fixtures on V1 (bf16): Qwen3-Next (GDN, MoE,
         # MTP), Granite-4.0-H (Mamba2), Kimi-Linear (KDA: the fork refuses

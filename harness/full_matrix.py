@@ -13,8 +13,8 @@ and variant):
    TurboQuant KV cache, and Qwen3-Next / Granite-4.0-H / Kimi-Linear;
 3. Model Runner V2: the fast-apply fixture, TurboQuant, and both
    random-weight fixtures through their MTP heads (scripted and MTP); the
-   draft_model method with a hybrid draft model on both runners (added
-   after the 2026-11-21 run: not run yet).
+   draft_model method with a hybrid draft model and EAGLE-3 heads on both
+   runners (added after the 2026-11-21 run: not run yet).
 
 ``python -m harness.full_matrix summarize DIR`` reads every report of the
 three calls in ``DIR`` and writes ``FULL.md`` (one line per cell, fork and
@@ -45,7 +45,14 @@ RUNS: dict[int, tuple[str, ...]] = {
         "tq-v1",
         "v1-more-models",
     ),
-    3: ("fa-mrv2", "tq-mrv2", "mrv2-matrix-q", "mrv2-matrix-n", "draft-model-probe"),
+    3: (
+        "fa-mrv2",
+        "tq-mrv2",
+        "mrv2-matrix-q",
+        "mrv2-matrix-n",
+        "draft-model-probe",
+        "eagle3-probe",
+    ),
 }
 VARIANTS = ("fork", "upstream")
 

@@ -692,6 +692,85 @@ def write_model(
     return out
 
 
+def eagle3_config(target_text: dict, aux_layers: list[int]) -> dict:
+    """An EAGLE-3 draft head for a Qwen3.5 target (text config
+    ``target_text``): one Qwen3 decoder layer of the target's width, the
+    checkpoint layout vLLM's ``Eagle3Qwen3ForCausalLM`` loads (``method:
+    "eagle3"`` renames ``Qwen3ForCausalLM`` to it). It reads the target's
+    hidden states after the layers ``aux_layers``."""
+    t = target_text
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": t["vocab_size"],
+        "draft_vocab_size": t["vocab_size"],
+        "hidden_size": t["hidden_size"],
+        "target_hidden_size": t["hidden_size"],
+        "intermediate_size": t["intermediate_size"],
+        "num_hidden_layers": 1,
+        "num_attention_heads": t["num_attention_heads"],
+        "num_key_value_heads": t["num_key_value_heads"],
+        "head_dim": t["head_dim"],
+        "hidden_act": "silu",
+        "max_position_embeddings": t["max_position_embeddings"],
+        "rms_norm_eps": t["rms_norm_eps"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layers},
+        "eos_token_id": EOS_ID,
+        "dtype": "bfloat16",
+    }
+
+
+def write_eagle3_head(
+    target: str | Path, out: str | Path, seed: int = 0, std: float = 0.02
+) -> Path:
+    """Write an EAGLE-3 head (``eagle3_config``, weights normal(0, ``std``),
+    norms 1, identity draft-to-target vocabulary map) for the Qwen3.5
+    fixture in ``target`` into ``out``. The head shares the target's token
+    embedding (vLLM shares it when the checkpoint has none). Random weights
+    rarely draft the target's token: its drafts test rejected and partly
+    accepted verify steps."""
+    import torch
+    from safetensors.torch import save_file
+
+    text = json.loads((Path(target) / "config.json").read_text())["text_config"]
+    n = text["num_hidden_layers"]
+    cfg = eagle3_config(text, [0, n // 2, n - 1])
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hd, nh = cfg["head_dim"], cfg["num_attention_heads"]
+    nkv = cfg["num_key_value_heads"]
+    g = torch.Generator().manual_seed(seed + 3)
+    shapes = {
+        "midlayer.self_attn.q_proj.weight": (nh * hd, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (nkv * hd, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (nkv * hd, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, nh * hd),
+        "midlayer.mlp.gate_proj.weight": (inter, h),
+        "midlayer.mlp.up_proj.weight": (inter, h),
+        "midlayer.mlp.down_proj.weight": (h, inter),
+        "fc.weight": (h, 3 * h),
+        "lm_head.weight": (cfg["draft_vocab_size"], h),
+    }
+    tensors = {k: torch.randn(v, generator=g) * std for k, v in shapes.items()}
+    norms = {
+        "midlayer.input_layernorm.weight": h,
+        "midlayer.hidden_norm.weight": h,
+        "midlayer.post_attention_layernorm.weight": h,
+        "midlayer.self_attn.q_norm.weight": hd,
+        "midlayer.self_attn.k_norm.weight": hd,
+        "norm.weight": h,
+    }
+    tensors.update({k: torch.ones(v) for k, v in norms.items()})
+    tensors["d2t"] = torch.zeros(cfg["draft_vocab_size"], dtype=torch.int64)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 

@@ -5,6 +5,7 @@ drafter's schedules and request matching, report building."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -436,6 +437,34 @@ def test_draft_model_cells_draft_with_their_own_model():
     kw = engine_kwargs(cells[0], "/m/nemotron_h", spec_config(cells[0]))
     assert kw["speculative_config"] == {
         "method": "draft_model",
-        "model": "/m/nemotron_h-draft",
+        "model": "/m/nemotron_h-draft_model",
         "num_speculative_tokens": 3,
     }
+
+
+def test_eagle3_cells_write_and_use_a_head(tmp_path):
+    pytest.importorskip("torch")
+    from harness.equivalence import (
+        FASTAPPLY_DIR,
+        drafter_dir,
+        engine_kwargs,
+        slice_cells,
+        spec_config,
+        write_drafter,
+    )
+    from harness.models import write_model
+
+    cells = slice_cells("eagle3-probe")
+    assert {c.runner for c in cells} == {"v1", "mrv2"}
+    cell = cells[0]
+    target = str(write_model(cell.model, tmp_path / "model-qwen3_5"))
+    write_drafter(cell, target, seed=0)
+    head = drafter_dir(target, "eagle3")
+    assert json.loads(Path(head, "config.json").read_text())["architectures"] == [
+        "Qwen3ForCausalLM"
+    ]
+    kw = engine_kwargs(cell, target, spec_config(cell))
+    assert kw["speculative_config"]["method"] == "eagle3"
+    assert kw["speculative_config"]["model"] == head
+    # the committed fixture's head goes to the temp folder, not beside it
+    assert not drafter_dir(str(FASTAPPLY_DIR), "eagle3").startswith(str(FASTAPPLY_DIR))
