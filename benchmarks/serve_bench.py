@@ -502,6 +502,8 @@ def _kill_group(proc: subprocess.Popen | None, grace: float = 5.0) -> None:
 
 
 def parse_run_args(argv):
+    from serving import serve_check as sc
+
     ap = argparse.ArgumentParser(prog="python -m benchmarks.serve_bench run")
     ap.add_argument("--suite", required=True, help="fastapply | qwen9b | any name")
     ap.add_argument("--model", required=True)
@@ -537,17 +539,8 @@ def parse_run_args(argv):
         "instead of the in-process client",
     )
     ap.add_argument("--python", default=sys.executable)
-    ap.add_argument("--port", type=int, default=8200)
-    ap.add_argument("--served-name", default="model")
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--gpu-mem", type=float, default=0.3)
-    ap.add_argument("--kv-bytes", default="4e9")
-    ap.add_argument("--engine-args", default="")
-    ap.add_argument(
-        "--cache-root",
-        default="/tmp/serve-bench-cache",
-        help="VLLM_CACHE_ROOT per variant under this ('' for the default)",
+    sc.add_server_args(
+        ap, port=8200, cache_root="/tmp/serve-bench-cache", gpu_mem=0.3, engine_args=""
     )
     ap.add_argument(
         "--bandwidth",

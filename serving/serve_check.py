@@ -1008,6 +1008,43 @@ def markdown(report: dict) -> str:
 # main
 
 
+def add_server_args(
+    ap: argparse.ArgumentParser,
+    *,
+    port: int,
+    cache_root: str,
+    gpu_mem: float,
+    engine_args: str,
+) -> None:
+    """The `vllm serve` settings server_command and launch read (shared
+    with benchmarks/serve_bench.py), with the caller's defaults."""
+    ap.add_argument("--port", type=int, default=port)
+    ap.add_argument(
+        "--cache-root",
+        default=cache_root,
+        help="VLLM_CACHE_ROOT per server under this ('' to share the default)",
+    )
+    ap.add_argument("--served-name", default="model")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument(
+        "--gpu-mem",
+        type=float,
+        default=gpu_mem,
+        help="--gpu-memory-utilization of each server (checked at start)",
+    )
+    ap.add_argument(
+        "--kv-bytes",
+        default="4e9",
+        help="--kv-cache-memory-bytes of each server ('' to profile)",
+    )
+    ap.add_argument(
+        "--engine-args",
+        default=engine_args,
+        help="vllm serve flags for every server",
+    )
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(
         prog="python -m serving.serve_check",
@@ -1079,30 +1116,12 @@ def parse_args(argv):
         help="command that takes `serve MODEL ...` (default: vllm on "
         "PATH, else python -m vllm.entrypoints.cli.main)",
     )
-    ap.add_argument("--port", type=int, default=8100)
-    ap.add_argument(
-        "--cache-root",
-        default="/tmp/serve-check-cache",
-        help="VLLM_CACHE_ROOT per server under this ('' to share the default)",
-    )
-    ap.add_argument("--served-name", default="model")
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument(
-        "--gpu-mem",
-        type=float,
-        default=0.1,
-        help="--gpu-memory-utilization of each server (checked at start)",
-    )
-    ap.add_argument(
-        "--kv-bytes",
-        default="4e9",
-        help="--kv-cache-memory-bytes of each server ('' to profile)",
-    )
-    ap.add_argument(
-        "--engine-args",
-        default=QWEN35_ENGINE_ARGS,
-        help="vllm serve flags for every server",
+    add_server_args(
+        ap,
+        port=8100,
+        cache_root="/tmp/serve-check-cache",
+        gpu_mem=0.1,
+        engine_args=QWEN35_ENGINE_ARGS,
     )
     ap.add_argument(
         "--stagger", type=float, default=2.0, help="seconds between server launches"

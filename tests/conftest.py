@@ -51,6 +51,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.cpu)
 
 
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This process's environment with the repository on PYTHONPATH, plus
+    ``extra``: for scripts run as subprocesses."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO), env.get("PYTHONPATH", "")) if p
+    )
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A free local port (below 64001, so that a few consecutive ones after
+    it exist)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return min(s.getsockname()[1], 64000)
+
+
 def git_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(

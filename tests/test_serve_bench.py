@@ -14,13 +14,13 @@ import importlib.util
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 import pytest
+from conftest import free_port, subprocess_env
 
 from benchmarks import serve_bench as sb
 from serving import make_model as mm
@@ -78,21 +78,6 @@ os.makedirs(a.result_dir, exist_ok=True)
 with open(os.path.join(a.result_dir, a.result_filename), "w") as f:
     json.dump(doc, f)
 """
-
-
-def _env(**extra) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO), env.get("PYTHONPATH", "")) if p
-    )
-    env.update(extra)
-    return env
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return min(s.getsockname()[1], 64000)
 
 
 def _shim_dir(tmp_path: Path) -> str | None:
@@ -176,7 +161,7 @@ def test_bench_serve_command_lines_parse_with_the_forks_parser(tmp_path):
     proc = subprocess.run(
         [PY, "-m", "benchmarks.serve_bench", "client", str(runs), "--parse-only"],
         cwd=REPO,
-        env=_env(HSFORK_CPU_TESTBED="1", VLLM_LOGGING_LEVEL="ERROR"),
+        env=subprocess_env(HSFORK_CPU_TESTBED="1", VLLM_LOGGING_LEVEL="ERROR"),
         capture_output=True,
         text=True,
         timeout=300,
@@ -477,7 +462,7 @@ def test_server_that_never_comes_up(tmp_path):
         [
             "--suite", "fastapply", "--model", "/m", "--out", str(out),
             "--variant", f"fork={FAKE}", "--specs", "none",
-            "--engine-args", "--fake-startup-s 1000", "--port", str(_port()),
+            "--engine-args", "--fake-startup-s 1000", "--port", str(free_port()),
             "--deadline", "17", "--server-estimate", "1", "--cache-root", "",
         ]
     )  # fmt: skip
@@ -497,7 +482,7 @@ def test_gpu_serve_bench_dry_run_fastapply(tmp_path):
         pytest.skip("vLLM is not installed here")
     out = tmp_path / "out"
     shim = _shim_dir(tmp_path)
-    env = _env(
+    env = subprocess_env(
         BENCH_BUNDLE_ENV="none",
         BENCH_VLLM_CMD=f"{FAKE} --fake-mode fastapply",
         PYTHON=PY,
@@ -506,7 +491,7 @@ def test_gpu_serve_bench_dry_run_fastapply(tmp_path):
         BENCH_SPECS="none,ngram",
         BENCH_CONC="1,4",
         BENCH_BUDGET="200",
-        BENCH_ARGS=f"--port {_port()} --cache-root {tmp_path}/cache "
+        BENCH_ARGS=f"--port {free_port()} --cache-root {tmp_path}/cache "
         "--server-estimate 10",
         HSFORK_CPU_TESTBED="1",
         VLLM_LOGGING_LEVEL="ERROR",
@@ -556,7 +541,7 @@ def test_gpu_serve_bench_dry_run_qwen9b_stub_bench(tmp_path):
     out = tmp_path / "out"
     stub = tmp_path / "stub_bench.py"
     stub.write_text(STUB_BENCH)
-    env = _env(
+    env = subprocess_env(
         BENCH_BUNDLE_ENV="none",
         BENCH_VLLM_CMD=FAKE,
         PYTHON=PY,
@@ -566,7 +551,7 @@ def test_gpu_serve_bench_dry_run_qwen9b_stub_bench(tmp_path):
         BENCH_TINY="1",
         BENCH_BANDWIDTH_GIB="0.03125",
         BENCH_BUDGET="200",
-        BENCH_ARGS=f"--port {_port()} --cache-root {tmp_path}/cache "
+        BENCH_ARGS=f"--port {free_port()} --cache-root {tmp_path}/cache "
         "--server-estimate 10",
         BENCH_CLI=f"{PY} {stub}",
     )

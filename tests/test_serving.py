@@ -12,12 +12,12 @@ import hashlib
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import free_port, subprocess_env
 
 from harness import fastapply as fa
 from serving import make_model as mm
@@ -29,22 +29,13 @@ PY = sys.executable
 FAKE = f"{PY} -m serving.fake_server"
 
 
-def _env(**extra) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO), env.get("PYTHONPATH", "")) if p
-    )
-    env.update(extra)
-    return env
-
-
 def _run_result(argv: list[str], cwd: Path = REPO, timeout: int = 600, **env):
-    """Run ``argv`` (a script printing ``RESULT <json>``) with ``_env(**env)``;
-    the JSON of its last ``RESULT`` line."""
+    """Run ``argv`` (a script printing ``RESULT <json>``) with
+    ``subprocess_env(**env)``; the JSON of its last ``RESULT`` line."""
     proc = subprocess.run(
         argv,
         cwd=cwd,
-        env=_env(**env),
+        env=subprocess_env(**env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -52,15 +43,6 @@ def _run_result(argv: list[str], cwd: Path = REPO, timeout: int = 600, **env):
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, proc.stderr[-4000:]
     return json.loads(lines[-1][7:])
-
-
-def _port() -> int:
-    """A free port with 20 free-looking ports after it (serve_check takes
-    consecutive ones)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        base = s.getsockname()[1]
-    return min(base, 64000)
 
 
 # -- tokenizer -------------------------------------------------------------
@@ -457,7 +439,7 @@ def _serve_check(tmp_path, *args, prompts="text", mode="model", n=16):
         "--stagger",
         "0",
         "--port",
-        str(_port()),
+        str(free_port()),
         "--engine-args",
         "",
         "--vllm-cmd",
@@ -467,7 +449,7 @@ def _serve_check(tmp_path, *args, prompts="text", mode="model", n=16):
     proc = subprocess.run(
         [PY, "-m", "serving.serve_check", *argv],
         cwd=REPO,
-        env=_env(),
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=180,
@@ -588,7 +570,7 @@ def test_serve_check_usage_errors(tmp_path):
             "ref=none",
         ],
         cwd=REPO,
-        env=_env(),
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -643,7 +625,7 @@ def _lm_eval_env():
     packages the CPU venv lacks (pandas, pyarrow, sacrebleu, scikit-learn,
     xxhash)."""
     extra = os.environ.get("SERVING_LMEVAL_PATH", "")
-    env = _env()
+    env = subprocess_env()
     if extra:
         env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], extra])
     probe = subprocess.run(
@@ -668,7 +650,7 @@ def lm_eval_env():
 def fake_fastapply_servers():
     procs, urls = [], {}
     for name, perturb in (("good", "none"), ("bad", "decisive")):
-        port = _port()
+        port = free_port()
         procs.append(
             subprocess.Popen(
                 [
@@ -686,7 +668,7 @@ def fake_fastapply_servers():
                     "model",
                 ],
                 cwd=REPO,
-                env=_env(),
+                env=subprocess_env(),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
@@ -775,7 +757,7 @@ def test_gpu_serve_dry_run(tmp_path, step):
     the step's three result files land in $OUT and the exit status is 0."""
     out = tmp_path / "out"
     mode = "fastapply" if step == "fastapply" else "model"
-    env = _env(
+    env = subprocess_env(
         SERVE_BUNDLE_ENV="none",
         SERVE_VLLM_CMD=f"{FAKE} --fake-mode {mode}",
         PYTHON=PY,
@@ -784,7 +766,7 @@ def test_gpu_serve_dry_run(tmp_path, step):
         SERVE_DEVICE="cpu",
         SERVE_TINY="1",
         SERVE_BUDGET="150",
-        SERVE_ARGS=f"--port {_port()} --n 16",
+        SERVE_ARGS=f"--port {free_port()} --n 16",
     )
     proc = subprocess.run(
         ["bash", str(REPO / "serving" / "gpu_serve.sh"), step],
