@@ -31,7 +31,8 @@ from .models import FIRST_SPECIAL_ID, VOCAB
 # trained too), committed in the repository
 FASTAPPLY = "fastapply"
 # a spec config's "model" for drafters the harness writes beside the target
-# (draft_model: the target without MTP layers; eagle3: an EAGLE-3 head)
+# (draft_model: the target without MTP layers; draft_model:dense: an
+# attention-only draft model; eagle3: an EAGLE-3 head)
 DRAFTER_DIR = "<written beside the cell's model>"
 FASTAPPLY_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "fastapply"
 
@@ -42,7 +43,7 @@ os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 @dataclass(frozen=True)
 class Cell:
     model: str  # fixture kind (harness.models.KINDS) or "fastapply"
-    drafter: str  # ngram | mtp | scripted:<schedule>
+    drafter: str  # ngram | mtp | scripted:<schedule> | draft_model[:dense] | eagle3
     k: int
     batch: int
     runner: str = "v1"  # v1 | mrv2
@@ -166,26 +167,31 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
 
 
 def drafter_dir(model_dir: str, drafter: str) -> str:
-    """Where the drafter of a draft_model or eagle3 cell is written: beside
-    a generated model, in the temp folder for the committed fast-apply
+    """Where the drafter of a draft_model(:dense) or eagle3 cell is written:
+    beside a generated model, in the temp folder for the committed fast-apply
     fixture."""
+    name = drafter.replace(":", "-")
     if Path(model_dir).resolve() == FASTAPPLY_DIR.resolve():
-        return str(Path(tempfile.gettempdir()) / f"hsfork-fastapply-{drafter}")
-    return f"{model_dir.rstrip('/')}-{drafter}"
+        return str(Path(tempfile.gettempdir()) / f"hsfork-fastapply-{name}")
+    return f"{model_dir.rstrip('/')}-{name}"
 
 
 def write_drafter(cell: Cell, model_dir: str, seed: int) -> None:
     """Write the drafter of a draft_model cell (the target's weights without
     MTP layers: vLLM loads a checkpoint with MTP layers as an MTP drafter,
-    not as a draft model) or of an eagle3 cell (a random-weight EAGLE-3 head,
-    harness.models.write_eagle3_head), once per model folder."""
-    from .models import write_eagle3_head, write_model
+    not as a draft model), of a draft_model:dense cell (an attention-only
+    draft model, harness.models.write_dense_draft) or of an eagle3 cell (a
+    random-weight EAGLE-3 head, harness.models.write_eagle3_head), once per
+    model folder."""
+    from .models import write_dense_draft, write_eagle3_head, write_model
 
     out = Path(drafter_dir(model_dir, cell.drafter))
     if out.exists():
         return
     if cell.drafter == "draft_model":
         write_model(cell.model, out, seed=seed, mtp=False)
+    elif cell.drafter == "draft_model:dense":
+        write_dense_draft(model_dir, out, seed=seed)
     elif cell.drafter == "eagle3":
         # the fast-apply fixture's head is shared by runs: always seed 0
         write_eagle3_head(model_dir, out, seed=0 if cell.model == FASTAPPLY else seed)
@@ -203,13 +209,14 @@ def spec_config(cell: Cell) -> dict | None:
         }
     if cell.drafter == "mtp":
         return {"method": "mtp", "num_speculative_tokens": cell.k}
-    if cell.drafter in ("draft_model", "eagle3"):
+    if cell.drafter in ("draft_model", "draft_model:dense", "eagle3"):
         # draft_model: the fixture drafts for itself (a hybrid draft model
-        # with recurrent state of its own); eagle3: an EAGLE-3 head reading
-        # the target's hidden states. engine_kwargs puts in the folder
-        # (drafter_dir) that run_cells writes.
+        # with recurrent state of its own); draft_model:dense: an
+        # attention-only draft model that repeats the last token; eagle3: an
+        # EAGLE-3 head reading the target's hidden states. engine_kwargs puts
+        # in the folder (drafter_dir) that run_cells writes.
         return {
-            "method": cell.drafter,
+            "method": cell.drafter.split(":")[0],
             "model": DRAFTER_DIR,
             "num_speculative_tokens": cell.k,
         }
@@ -603,17 +610,28 @@ def slice_cells(name: str) -> list[Cell]:
             Cell("nemotron_h", "mtp", 3, 16, r2, async_sched=True, **kw),
         ]
     if name == "draft-model-probe":
-        # the draft_model method with a hybrid draft model: NemotronH drafts
-        # for itself (greedy drafts are always right, so every step accepts
-        # k; the drafter's own Mamba2 state must follow), both runners. A
-        # Qwen3.5 draft is not a draft model in v0.26.0: SpeculativeConfig's
-        # hf_config_override turns every qwen3_5 checkpoint into Qwen3_5MTP
-        # and the method into "mtp" (one V1 cell records what that does)
+        # the draft_model method on hybrid targets. draft_model:dense is an
+        # attention-only draft model that repeats the last token (accepted
+        # where the target repeats one): V1, none and align with prefix hits,
+        # async scheduling; MRV2 refuses the method in v0.26.0. draft_model:
+        # NemotronH drafting for itself, a draft model with recurrent state of
+        # its own, which the fork refuses at config time. A Qwen3.5 draft is
+        # not a draft model in v0.26.0: SpeculativeConfig's hf_config_override
+        # turns every qwen3_5 checkpoint into Qwen3_5MTP and the method into
+        # "mtp" (one V1 cell records what that does)
+        dense = "draft_model:dense"
         return [
-            Cell("nemotron_h", "draft_model", 3, 8, r, cache_mode=cm)
-            for r in ("v1", "mrv2")
+            Cell(m, dense, 3, 8, "v1", cm)
+            for m in ("qwen3_5", "nemotron_h", FASTAPPLY)
             for cm in ("none", "align")
-        ] + [Cell("qwen3_5", "draft_model", 3, 8)]
+        ] + [
+            Cell(FASTAPPLY, dense, 3, 16, "v1", "align", async_sched=True),
+            Cell(FASTAPPLY, dense, 5, 16, "v1", chunked=True),
+            Cell("qwen3_5", dense, 3, 8, "mrv2"),
+            Cell("nemotron_h", "draft_model", 3, 8, "v1"),
+            Cell("nemotron_h", "draft_model", 3, 8, "mrv2"),
+            Cell("qwen3_5", "draft_model", 3, 8),
+        ]  # fmt: skip
     if name == "eagle3-probe":
         # EAGLE-3 drafting on a GDN hybrid: a random-weight head for the
         # random Qwen3.5 and for the trained fast-apply model (mostly rejected

@@ -771,6 +771,87 @@ def write_eagle3_head(
     return out
 
 
+def dense_draft_config(vocab: int) -> dict:
+    """An attention-only draft model (one Qwen3 decoder layer, hidden size =
+    ``vocab``) for the ``draft_model`` method with a hybrid target of that
+    vocabulary."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": vocab,
+        "hidden_size": vocab,
+        "intermediate_size": 2 * vocab,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": vocab // 4,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "eos_token_id": EOS_ID,
+        "dtype": "bfloat16",
+    }
+
+
+def write_dense_draft(
+    target: str | Path, out: str | Path, seed: int = 0, std: float = 1e-3
+) -> Path:
+    """Write a ``dense_draft_config`` draft model for the fixture in
+    ``target`` into ``out``, with the target's tokenizer. Its embedding and
+    LM head are the identity and its layer's output projections are small
+    (normal(0, ``std``)), so it drafts the last token again: deterministic
+    drafts that the target accepts where its output repeats a token and
+    rejects elsewhere."""
+    import torch
+    from safetensors.torch import save_file
+
+    target = Path(target)
+    tcfg = json.loads((target / "config.json").read_text())
+    vocab = tcfg.get("text_config", tcfg)["vocab_size"]
+    cfg = dense_draft_config(vocab)
+    cfg["eos_token_id"] = tcfg.get("eos_token_id", EOS_ID)
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hd, nh = cfg["head_dim"], cfg["num_attention_heads"]
+    nkv = cfg["num_key_value_heads"]
+    g = torch.Generator().manual_seed(seed + 5)
+    p = "model.layers.0."
+    shapes = {
+        p + "self_attn.q_proj.weight": (nh * hd, h),
+        p + "self_attn.k_proj.weight": (nkv * hd, h),
+        p + "self_attn.v_proj.weight": (nkv * hd, h),
+        p + "self_attn.o_proj.weight": (h, nh * hd),
+        p + "mlp.gate_proj.weight": (inter, h),
+        p + "mlp.up_proj.weight": (inter, h),
+        p + "mlp.down_proj.weight": (h, inter),
+    }
+    tensors = {k: torch.randn(v, generator=g) * std for k, v in shapes.items()}
+    for k in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+        # attention scores of a useful size; the output stays small (o_proj)
+        tensors[p + k + ".weight"] *= 0.02 / std
+    norms = {
+        p + "input_layernorm.weight": h,
+        p + "post_attention_layernorm.weight": h,
+        p + "self_attn.q_norm.weight": hd,
+        p + "self_attn.k_norm.weight": hd,
+        "model.norm.weight": h,
+    }
+    tensors.update({k: torch.ones(v) for k, v in norms.items()})
+    tensors["model.embed_tokens.weight"] = torch.eye(vocab)
+    tensors["lm_head.weight"] = torch.eye(vocab)
+    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (target / name).exists():
+            (out / name).write_bytes((target / name).read_bytes())
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 

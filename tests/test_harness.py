@@ -434,12 +434,19 @@ def test_draft_model_cells_draft_with_their_own_model():
 
     cells = slice_cells("draft-model-probe")
     assert {c.runner for c in cells} == {"v1", "mrv2"}
-    kw = engine_kwargs(cells[0], "/m/nemotron_h", spec_config(cells[0]))
+    hybrid = next(c for c in cells if c.drafter == "draft_model")
+    kw = engine_kwargs(hybrid, "/m/nemotron_h", spec_config(hybrid))
     assert kw["speculative_config"] == {
         "method": "draft_model",
         "model": "/m/nemotron_h-draft_model",
         "num_speculative_tokens": 3,
     }
+    dense = [c for c in cells if c.drafter == "draft_model:dense"]
+    assert {c.model for c in dense} == {"qwen3_5", "nemotron_h", "fastapply"}
+    assert {c.cache_mode for c in dense} == {"none", "align"}
+    kw = engine_kwargs(dense[0], "/m/qwen3_5", spec_config(dense[0]))
+    assert kw["speculative_config"]["method"] == "draft_model"
+    assert kw["speculative_config"]["model"] == "/m/qwen3_5-draft_model-dense"
 
 
 def test_eagle3_cells_write_and_use_a_head(tmp_path):

@@ -28,11 +28,13 @@ from harness.models import (
     KINDS,
     build_model,
     main,
+    write_dense_draft,
     write_eagle3_head,
     write_model,
 )
 
 EAGLE3 = "eagle3"  # a spec's arch: the EAGLE-3 head, built as vLLM resolves it
+DENSE_DRAFT = "Qwen3ForCausalLM"  # the attention-only draft model's
 
 REPO = Path(__file__).resolve().parent.parent
 NEW_KINDS = ["qwen3_next", "kimi_linear", "granitemoehybrid"]
@@ -164,14 +166,41 @@ def test_kimi_linear_layout(tmp_path):
             assert not any(k.startswith(p + "mlp.") for k in t)
 
 
+def test_dense_draft_repeats_the_last_token(tmp_path):
+    """The attention-only draft model has the target's vocabulary and
+    tokenizer and predicts, at every position, the token it was given."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    target = write_model("qwen3_5", tmp_path / "target")
+    draft = write_dense_draft(target, tmp_path / "draft")
+    cfg = json.loads((draft / "config.json").read_text())
+    tcfg = json.loads((target / "config.json").read_text())
+    assert cfg["vocab_size"] == tcfg["text_config"]["vocab_size"]
+    assert cfg["eos_token_id"] == tcfg["eos_token_id"]
+    assert (draft / "tokenizer.json").read_bytes() == (
+        target / "tokenizer.json"
+    ).read_bytes()
+    model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg["vocab_size"], (3, 24), generator=g)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert torch.equal(logits.argmax(-1), ids)
+    top2 = logits.topk(2, dim=-1).values
+    assert (top2[..., 0] - top2[..., 1]).min() > 1.0  # decisive, also in bf16
+
+
 def _vllm_specs():
     specs = []
     for kind, fx in FIXTURES.items():
         specs.append((kind, fx["architecture"], fx["dtype"]))
         if fx["mtp"]:
             specs.append((kind, fx["mtp_architecture"], fx["dtype"]))
-    # the EAGLE-3 head for Qwen3.5 (harness.models.write_eagle3_head)
+    # the EAGLE-3 head for Qwen3.5 (harness.models.write_eagle3_head) and the
+    # attention-only draft model (harness.models.write_dense_draft)
     specs.append(("qwen3_5", EAGLE3, "bfloat16"))
+    specs.append(("qwen3_5", DENSE_DRAFT, "bfloat16"))
     return specs
 
 
@@ -189,6 +218,10 @@ def vllm_results(tmp_path_factory):
         if arch == EAGLE3:
             head = write_eagle3_head(path, tmp_dir / f"{kind}-eagle3")
             specs.append([kind, f"{path}{os.pathsep}{head}", arch, dtype])
+            continue
+        if arch == DENSE_DRAFT:
+            draft = write_dense_draft(path, tmp_dir / f"{kind}-dense-draft")
+            specs.append([kind, str(draft), arch, dtype])
             continue
         specs.append([kind, str(path), arch, dtype])
     env = dict(os.environ)
