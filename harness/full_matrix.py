@@ -13,8 +13,8 @@ and variant):
    TurboQuant KV cache, and Qwen3-Next / Granite-4.0-H / Kimi-Linear;
 3. Model Runner V2: the fast-apply fixture, TurboQuant, and both
    random-weight fixtures through their MTP heads (scripted and MTP); the
-   draft_model method with a hybrid draft model and EAGLE-3 heads on both
-   runners (added after the 2026-11-21 run: not run yet).
+   draft_model method (an attention-only draft model, and a hybrid one that
+   the fork refuses) and EAGLE-3 heads on both runners.
 
 ``python -m harness.full_matrix summarize DIR`` reads every report of the
 three calls in ``DIR`` and writes ``FULL.md`` (one line per cell, fork and
