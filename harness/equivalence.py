@@ -648,6 +648,20 @@ def slice_cells(name: str) -> list[Cell]:
             Cell(FASTAPPLY, "eagle3", 3, 8, "v1", graphs=fp, async_sched=True,
                  kv_cache_dtype="turboquant_k8v4"),
         ]  # fmt: skip
+    if name == "drafters-tq-probe":
+        # TurboQuant KV cache with the drafters that read the target's
+        # hidden states or bring their own attention layers: EAGLE-3 on MRV2
+        # (none and align with prefix hits), a draft model on V1; full CUDA
+        # graphs, async scheduling where the runner allows it
+        fp, tq = "full_and_piecewise", "turboquant_k8v4"
+        return [
+            Cell(FASTAPPLY, "eagle3", 3, 8, "mrv2", cm, graphs=fp,
+                 async_sched=True, kv_cache_dtype=tq)
+            for cm in ("none", "align")
+        ] + [
+            Cell(FASTAPPLY, "draft_model:dense", 3, 8, "v1", graphs=fp,
+                 kv_cache_dtype=tq),
+        ]  # fmt: skip
     if name == "v1-more-models":
         # the other generated fixtures on V1 (bf16): Qwen3-Next (GDN, MoE,
         # MTP), Granite-4.0-H (Mamba2), Kimi-Linear (KDA: the fork refuses

@@ -44,6 +44,7 @@ RUNS: dict[int, tuple[str, ...]] = {
         "fa-v1",
         "tq-v1",
         "v1-more-models",
+        "drafters-tq-probe",
     ),
     3: (
         "fa-mrv2",
