@@ -34,7 +34,7 @@ from harness.models import (
 )
 
 EAGLE3 = "eagle3"  # a spec's arch: the EAGLE-3 head, built as vLLM resolves it
-DENSE_DRAFT = "Qwen3ForCausalLM"  # the attention-only draft model's
+DENSE_DRAFT = "Qwen3ForCausalLM"  # a spec's arch: the draft of write_dense_draft
 
 REPO = Path(__file__).resolve().parent.parent
 NEW_KINDS = ["qwen3_next", "kimi_linear", "granitemoehybrid"]
