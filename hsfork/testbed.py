@@ -59,7 +59,13 @@ def python() -> Path:
 
 
 def _pip(*args: str) -> None:
-    cmd = [str(python()), "-m", "pip", "install", "--disable-pip-version-check", *args]
+    # No wheel cache: a fresh CI machine installs once, and the cache would
+    # hold a second copy of every wheel (triton alone is ~200 MB) on a disk
+    # that has run out during this step.
+    cmd = [
+        str(python()), "-m", "pip", "install", "--disable-pip-version-check",
+        "--no-cache-dir", *args,
+    ]  # fmt: skip
     info(" ".join(cmd[3:])[:200])
     if subprocess.run(cmd).returncode != 0:
         raise ToolError(f"pip failed: {' '.join(cmd)}")
@@ -161,8 +167,8 @@ def ensure_testbed() -> Path:
             }
         )
         cmd = [
-            str(python()), "-m", "pip", "install", "-q", "--no-build-isolation",
-            "--no-deps", "-e", str(repo),
+            str(python()), "-m", "pip", "install", "-q", "--no-cache-dir",
+            "--no-build-isolation", "--no-deps", "-e", str(repo),
         ]  # fmt: skip
         info(f"installing {repo} editable as vllm {version}")
         if subprocess.run(cmd, env=env).returncode != 0:
