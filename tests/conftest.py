@@ -201,14 +201,10 @@ def parse_serve_args(tmp_path):
     def parse(cmds: list[list[str]], fields: list[str]) -> list[dict]:
         script = tmp_path / "parse_serve.py"
         script.write_text(SERVE_PARSE_SCRIPT)
-        env = dict(os.environ, HSFORK_CPU_TESTBED="1", VLLM_LOGGING_LEVEL="ERROR")
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(REPO), env.get("PYTHONPATH", "")) if p
-        )
         proc = subprocess.run(
             [sys.executable, str(script), json.dumps(cmds), json.dumps(fields)],
             cwd=tmp_path,
-            env=env,
+            env=subprocess_env(HSFORK_CPU_TESTBED="1", VLLM_LOGGING_LEVEL="ERROR"),
             capture_output=True,
             text=True,
             timeout=300,
