@@ -1,39 +1,55 @@
-# vllm-hybrid-spec: upstream vLLM v0.26.0 + patches/, see README.md
+# vllm-hybrid-spec: upstream vLLM + patches/<version>/, see README.md.
+# Every target acts on one line: BASE=current (default, upstream v0.33.0) or
+# BASE=stable (upstream v0.26.0); `make lines` lists them. `make test` runs the
+# CPU suite of both lines.
 PYTHON ?= python3
-VENV_PY := .venv/bin/python
-# tests to run from fork/'s own tree (upstream tests for the code we patch)
-UPSTREAM_TESTS := $(shell grep -v '^\s*\(#\|$$\)' tests/upstream-tests.txt)
+BASE ?= current
+export HSFORK_BASE := $(BASE)
+HSFORK := $(PYTHON) -m hsfork
+TAG = $(shell $(HSFORK) lines | awk '$$1 == "*" {print $$3}')
+VENV_PY = .venv/$(TAG)/bin/python
+# tests to run from the fork's own tree (upstream tests for the code we patch)
+UPSTREAM_TESTS = $(shell grep -v '^\s*\(\#\|$$\)' patches/$(TAG)/upstream-tests.txt)
 PYTEST_ARGS ?=
 
-.PHONY: help fetch sync export version wheel testbed fixtures lint test test-ours test-upstream bundle clean
+.PHONY: help lines fetch sync export version wheel testbed fixtures lint test \
+	test-line test-ours test-upstream bundle clean
 
 help:
-	@echo "make fetch | sync | export | wheel | test | lint | bundle | clean"
+	@echo "make [BASE=current|stable] lines | fetch | sync | export | version | wheel | test | lint | bundle | clean"
+
+lines:
+	@$(HSFORK) lines
 
 fetch:
-	$(PYTHON) -m hsfork fetch
+	$(HSFORK) fetch
 
 sync:
-	$(PYTHON) -m hsfork sync
+	$(HSFORK) sync
 
 export:
-	$(PYTHON) -m hsfork export
+	$(HSFORK) export
 
 version:
-	@$(PYTHON) -m hsfork version
+	@$(HSFORK) version
 
 testbed:
-	$(PYTHON) -m hsfork.testbed
+	$(HSFORK) testbed
 
 fixtures:
-	$(PYTHON) -m hsfork fixtures
+	$(HSFORK) fixtures
 
 wheel: testbed
 	$(VENV_PY) -m hsfork wheel --python $(abspath $(VENV_PY))
 
-# CPU test suite: lint, our tests, then the fork's upstream tests for the code
-# we patch.
-test: testbed fixtures lint test-ours test-upstream
+# The CPU test suite: lint and our tests once (on the current line's test
+# bed), then each line's upstream-bound tests from inside its fork.
+test: fixtures
+	$(MAKE) BASE=current testbed lint test-ours test-upstream
+	$(MAKE) BASE=stable testbed test-upstream
+
+# one line only: its test bed, our tests and its upstream-bound tests
+test-line: testbed fixtures lint test-ours test-upstream
 
 lint:
 	$(VENV_PY) -m ruff check hsfork harness serving benchmarks tests
@@ -43,9 +59,9 @@ test-ours:
 	$(VENV_PY) -m pytest tests $(PYTEST_ARGS)
 
 test-upstream:
-	cd fork && HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(abspath .cache/hf/hub) \
+	cd fork/$(TAG) && HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(abspath .cache/hf/hub) \
 	  CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 VLLM_TARGET_DEVICE=empty \
-	  PYTHONPATH=$(abspath .) ../$(VENV_PY) -m pytest -p no:cacheprovider -p hsfork.pytest_cpu_testbed $(UPSTREAM_TESTS) $(PYTEST_ARGS)
+	  PYTHONPATH=$(abspath .) ../../$(VENV_PY) -m pytest -p no:cacheprovider -p hsfork.pytest_cpu_testbed $(UPSTREAM_TESTS) $(PYTEST_ARGS)
 
 bundle: wheel
 	$(VENV_PY) -m hsfork bundle

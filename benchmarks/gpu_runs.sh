@@ -28,7 +28,7 @@ profile)
   ((${#args[@]})) || args=(--mode ngram_nomatch --batch-sizes 1,64 --tokens 96)
   python3 -c "
 from benchmarks.side_by_side import ensure_upstream_site, series
-print('upstream site:', ensure_upstream_site('/tmp/hybridspec/site', '/tmp/upstream-site', series('patches')))"
+print('upstream site:', ensure_upstream_site('/tmp/hybridspec/site', '/tmp/upstream-site', series('$PATCHES')))"
   for v in ${PROFILE_ORDER:-fork upstream}; do
     PYTHONPATH=$(site_pythonpath "$v") python3 -m benchmarks.step_profile \
       --variant "$v" --out "$OUT/profile-$v" -- "${args[@]}" \

@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from hsfork.common import patches_dir
+
 from benchmarks.decode_latency import MODES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,7 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--run", default="decode-latency", help="report name")
     ap.add_argument("--fork-site", default="/tmp/hybridspec/site")
     ap.add_argument("--upstream-site", default="/tmp/upstream-site")
-    ap.add_argument("--patches", default=str(REPO / "patches"))
+    ap.add_argument(
+        "--patches",
+        default=None,
+        help="the fork's patch series (default: the selected line's, HSFORK_BASE)",
+    )
     ap.add_argument(
         "--engine-estimate",
         type=float,
@@ -345,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         if "fork" in a.variants and not has_fingerprint(a.fork_site):
             raise BenchError(f"{a.fork_site} lacks the fork's patches")
         if "upstream" in a.variants:
-            how = ensure_upstream_site(a.fork_site, a.upstream_site, series(a.patches))
+            how = ensure_upstream_site(
+                a.fork_site, a.upstream_site, series(a.patches or patches_dir())
+            )
             say(f"upstream site {a.upstream_site}: {how}")
     except BenchError as e:
         say(f"ERROR: {e}")

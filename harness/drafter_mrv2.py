@@ -7,8 +7,11 @@ a speculator MRV2 accepts: the engine runs with
 ``{"method": "mtp", "num_speculative_tokens": k}`` (a checkpoint with MTP
 weights), and :func:`install` patches, in this process:
 
-``AutoRegressiveSpeculator.propose`` (``vllm/v1/worker/gpu/spec_decode/
-autoregressive/speculator.py``; MTP, EAGLE and EAGLE-3 inherit it)
+``AutoRegressiveSpeculator.propose`` (v0.26.0: ``vllm/v1/worker/gpu/
+spec_decode/autoregressive/speculator.py``; v0.33.0:
+``TargetDependentARSpeculator.propose`` in ``.../target_dependent_ar/
+speculator.py``, :func:`harness.compat.mrv2_ar_speculator`; MTP, EAGLE and
+EAGLE-3 inherit it)
     runs the real drafter (unless ``install(run_drafter=False)``), then
     overwrites the rows of scripted requests in the ``[num_reqs, k]`` int64
     draft tensor it returns, in place (the runner stores that tensor in
@@ -94,6 +97,7 @@ __all__ = [
     "installed",
     "plan_row",
     "spec_config",
+    "speculator_class",
     "uninstall",
 ]
 
@@ -103,7 +107,6 @@ STATE_ATTR = "_hsfork_mrv2_script"
 # request has reached its max_tokens)
 FILLER = 0
 
-_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.autoregressive.speculator"
 _RUNNER = "vllm.v1.worker.gpu.model_runner"
 
 _ACTIVE = False
@@ -378,13 +381,23 @@ def _wrap_take_draft_token_ids(orig):
     return take_draft_token_ids
 
 
+def speculator_class():
+    """MRV2's speculator class whose ``propose`` the patch wraps (it moved
+    between vLLM lines: :func:`harness.compat.mrv2_ar_speculator`)."""
+    import importlib
+
+    from .compat import mrv2_ar_speculator
+
+    module, name = mrv2_ar_speculator()
+    return getattr(importlib.import_module(module), name)
+
+
 def _targets():
     import importlib
 
-    speculator = importlib.import_module(_SPECULATOR)
     runner = importlib.import_module(_RUNNER)
     return [
-        (speculator.AutoRegressiveSpeculator, "propose", _wrap_propose),
+        (speculator_class(), "propose", _wrap_propose),
         (runner.GPUModelRunner, "add_requests", _wrap_add_requests),
         (runner.GPUModelRunner, "take_draft_token_ids", _wrap_take_draft_token_ids),
     ]

@@ -7,6 +7,11 @@ reference (with top-2 log-probabilities); every speculative cell then decodes
 the same prompts and is compared margin-aware (``harness.compare``). vLLM runs
 in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); one engine per cell.
 A configuration vLLM rejects is recorded as ``rejected`` with its error text.
+
+One harness for the fork's vLLM lines (v0.26.0 and v0.33.0): where their
+APIs differ, :mod:`harness.compat` picks the code path by the installed vLLM
+version. ``--dry-run`` prints a slice's cells and engine arguments without
+starting vLLM.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import compat
 from .compare import TIE_MARGIN, CellSummary, Position, noise, verify
 from .drafter import LOG_ENV, SCRIPT_ENV
 from .models import FIRST_SPECIAL_ID, VOCAB
@@ -43,10 +49,13 @@ os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 @dataclass(frozen=True)
 class Cell:
     model: str  # fixture kind (harness.models.KINDS) or "fastapply"
-    drafter: str  # ngram | mtp | scripted:<schedule> | draft_model[:dense] | eagle3
+    # ngram | ngram_gpu | mtp | scripted:<schedule> | draft_model[:dense] | eagle3
+    drafter: str
     k: int
-    batch: int
-    runner: str = "v1"  # v1 | mrv2
+    batch: int  # requests submitted together (max_num_seqs unless extra says)
+    # v1 | mrv2 | default (VLLM_USE_V2_MODEL_RUNNER unset: vLLM picks,
+    # harness.compat.default_runner; the engine's pick is in accept.model_runner)
+    runner: str = "v1"
     cache_mode: str = "none"  # none | align
     graphs: str = "eager"  # eager | full_and_piecewise
     async_sched: bool = False
@@ -55,10 +64,12 @@ class Cell:
     dtype: str = "bfloat16"
     max_tokens: int = 96
     kv_cache_dtype: str = "auto"  # e.g. a TurboQuant preset
+    # engine arguments over the cell's own (e.g. max_num_batched_tokens,
+    # max_num_seqs); "block_size" also goes to the scripted drafter
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     def key(self) -> dict:
-        return {
+        key = {
             "model": self.model,
             "runner": self.runner,
             "cache_mode": self.cache_mode,
@@ -72,6 +83,9 @@ class Cell:
             "dtype": self.dtype,
             "kv_cache_dtype": self.kv_cache_dtype,
         }
+        if self.extra:
+            key["engine"] = dict(sorted(self.extra.items()))
+        return key
 
 
 # ---------------------------------------------------------------------------
@@ -142,7 +156,9 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
         kw["compilation_config"] = {"cudagraph_mode": cell.graphs.upper()}
     if cell.cache_mode != "none":
         kw["enable_prefix_caching"] = True
-        kw["mamba_cache_mode"] = cell.cache_mode
+        if compat.passes_mamba_cache_mode():
+            # v0.33.0: deprecated, no effect (prefix caching means align)
+            kw["mamba_cache_mode"] = cell.cache_mode
     else:
         kw["enable_prefix_caching"] = False
     if cell.chunked:
@@ -200,9 +216,9 @@ def write_drafter(cell: Cell, model_dir: str, seed: int) -> None:
 def spec_config(cell: Cell) -> dict | None:
     if cell.drafter == "none":
         return None
-    if cell.drafter == "ngram":
+    if cell.drafter in ("ngram", "ngram_gpu"):
         return {
-            "method": "ngram",
+            "method": cell.drafter,
             "num_speculative_tokens": cell.k,
             "prompt_lookup_min": 2,
             "prompt_lookup_max": min(10, max(2, cell.k)),
@@ -269,12 +285,26 @@ def turboquant_prefill() -> str:
         return "sdpa"
 
 
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def set_runner(runner: str) -> None:
+    """Select the model runner of the next engine (read at config time; the
+    env cache vLLM enables in an engine is reset by ``_shutdown``)."""
+    if runner == "default":
+        os.environ.pop(RUNNER_ENV, None)
+    elif runner in ("v1", "mrv2"):
+        os.environ[RUNNER_ENV] = "1" if runner == "mrv2" else "0"
+    else:
+        raise ValueError(f"unknown runner {runner!r}")
+
+
 def _engine(cell: Cell, model_dir: str):
     from vllm import LLM
 
     from . import drafter_mrv2
 
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if cell.runner == "mrv2" else "0"
+    set_runner(cell.runner)
     if cell.runner == "mrv2" and cell.drafter.startswith("scripted:"):
         drafter_mrv2.install()  # HSFORK_SCRIPT is set by _scripted_env
     else:
@@ -332,6 +362,8 @@ def generate(cell: Cell, model_dir: str, waves, logprobs: int | None):
             # what the engine ran with (vLLM turns async scheduling off for
             # drafters that need the host, e.g. n-gram)
             metrics["async_scheduling"] = bool(config.scheduler_config.async_scheduling)
+            # the runner the engine ran on (runner "default": vLLM's pick)
+            metrics["model_runner"] = "mrv2" if config.use_v2_model_runner else "v1"
             for m in llm.get_metrics():
                 if ("spec_decode" in m.name or "prefix_cache" in m.name) and hasattr(
                     m, "value"
@@ -451,6 +483,7 @@ def run_cells(
             break
         row = cell.key()
         row.update(prompts=0, tokens=0, divergences=0, ties=0)
+        row["vllm"] = compat.version_str()
         rows.append(row)
         try:
             if cell.model not in models:
@@ -662,6 +695,24 @@ def slice_cells(name: str) -> list[Cell]:
             Cell(FASTAPPLY, "draft_model:dense", 3, 8, "v1", graphs=fp,
                  kv_cache_dtype=tq),
         ]  # fmt: skip
+    if name == "smoke033":
+        # proves the harness drives vLLM v0.33.0 (runs on v0.26.0 too): the
+        # custom_class scripted drafter on V1, the scripted drafter wrapped
+        # into MRV2's MTP speculator (moved in v0.33.0), n-gram on V1, GPU
+        # n-gram with async scheduling on MRV2 (v0.26.0 rejects it), MTP on
+        # the default runner with prefix caching (no mamba_cache_mode on
+        # v0.33.0)
+        fa, mt = FASTAPPLY, 128
+        return [
+            Cell("qwen3_5", "scripted:heterogeneous", 4, 8, "v1"),
+            Cell("qwen3_5", "scripted:accept_then_zero", 4, 8, "mrv2"),
+            Cell(fa, "ngram", 8, 8, "v1", max_tokens=mt),
+            Cell(fa, "ngram_gpu", 8, 8, "mrv2", async_sched=True, max_tokens=mt),
+            Cell(fa, "mtp", 3, 8, "default", "align", async_sched=True,
+                 max_tokens=mt),
+        ]  # fmt: skip
+    if name == "budget-probe" or name.startswith("budget-probe-"):
+        return budget_probe(name.removeprefix("budget-probe").lstrip("-") or "all")
     if name == "v1-more-models":
         # the other generated fixtures on V1 (bf16): Qwen3-Next (GDN, MoE,
         # MTP), Granite-4.0-H (Mamba2), Kimi-Linear (KDA: the fork refuses
@@ -676,6 +727,64 @@ def slice_cells(name: str) -> list[Cell]:
         cells.append(Cell("qwen3_next", "mtp", 3, 8, async_sched=True))
         return cells
     raise ValueError(f"unknown slice {name}")
+
+
+# (max_num_batched_tokens, max_num_seqs, prompts submitted together) of the
+# budget probe: the larger batch with the larger max_num_seqs, so that the
+# queue always holds waiting requests (40-128 prompts, two references each)
+BUDGETS = ((96, 4, 48), (96, 8, 128), (128, 4, 48), (128, 8, 128))
+BUDGET_PARTS = ("ngram", "ngram_gpu", "mtp")
+
+
+def budget_probe(part: str = "all") -> list[Cell]:
+    """The token-budget probe on the trained fast-apply fixture (greedy, up
+    to 128 tokens, compared token by token with the non-spec reference):
+    chunked prefill with a budget of 96 or 128 tokens, far below what a
+    batch of k=64 n-gram drafts asks for (running requests get trimmed
+    drafts or none, prefills wait or run in short chunks), max_num_seqs 4
+    and 8, without and with prefix caching (align: a second wave hits the
+    blocks the first wave wrote; the fixture's blocks are larger than the
+    budget). Parts, each one GPU call (``budget-probe-<part>``):
+
+    ``ngram``: n-gram k=64 (lookup 2..10) on V1's CPU proposer, sync
+    scheduling; two cells on MRV2 (GPU n-gram there on v0.33.0, rejected on
+    v0.26.0). ``ngram_gpu``: the same grid with ``ngram_gpu`` and async
+    scheduling on the default runner (MRV2 on v0.33.0, V1 on v0.26.0); two
+    cells on V1. ``mtp``: MTP k=3 on the default runner in align mode, async
+    scheduling, and two sync cells."""
+
+    def cell(drafter, k, runner, async_sched, cm, budget):
+        b, s, n = budget
+        return Cell(FASTAPPLY, drafter, k, n, runner, cm, async_sched=async_sched,
+                    chunked=True, max_tokens=128,
+                    extra={"max_num_batched_tokens": b, "max_num_seqs": s})  # fmt: skip
+
+    def grid(drafter, k, runner, async_sched, modes=("none", "align")):
+        return [
+            cell(drafter, k, runner, async_sched, cm, bud)
+            for cm in modes
+            for bud in BUDGETS
+        ]
+
+    def corners(drafter, k, runner, async_sched):
+        # (96 tokens, 8 seqs) without and (128, 4) with prefix caching
+        return [
+            cell(drafter, k, runner, async_sched, "none", BUDGETS[1]),
+            cell(drafter, k, runner, async_sched, "align", BUDGETS[2]),
+        ]
+
+    parts = {
+        "ngram": grid("ngram", 64, "v1", False) + corners("ngram", 64, "mrv2", False),
+        "ngram_gpu": grid("ngram_gpu", 64, "default", True)
+        + corners("ngram_gpu", 64, "v1", True),
+        "mtp": grid("mtp", 3, "default", True, modes=("align",))
+        + [cell("mtp", 3, "default", False, "align", b) for b in BUDGETS[1:3]],
+    }
+    if part == "all":
+        return [c for p in BUDGET_PARTS for c in parts[p]]
+    if part not in parts:
+        raise ValueError(f"unknown budget-probe part {part}")
+    return parts[part]
 
 
 def _v1_matrix(part: str) -> list[Cell]:
@@ -763,8 +872,9 @@ def _fastapply_matrix(runner: str) -> list[Cell]:
     ``mrv2``). MTP on both runners: none and align mode with prefix hits
     (a second wave continues the first wave's answers), BS 8 and 64, token
     budget of 64 (drafts trimmed: zero-draft decode rows; running requests
-    unscheduled), CUDA graphs, async scheduling. n-gram k=64 on V1 (MRV2
-    rejects n-gram: recorded as rejected)."""
+    unscheduled), CUDA graphs, async scheduling. n-gram k=64 (MRV2 rejects
+    n-gram on v0.26.0: recorded as rejected; v0.33.0 drafts it on the GPU,
+    ``harness.compat.mrv2_ngram``)."""
     fa, fp = FASTAPPLY, "full_and_piecewise"
     mt = 128  # the longest answer is 117 tokens with EOS
     cells = [
@@ -850,8 +960,37 @@ def _turboquant_matrix(runner: str) -> list[Cell]:
     return cells
 
 
+def dry_run(cells: list[Cell], workdir: str = "<workdir>") -> list[dict]:
+    """What each cell would run, without starting vLLM (nor importing it):
+    its key, the model runner variable, the engine arguments (model folders
+    as run_cells would name them), for the vLLM version harness.compat
+    targets."""
+    out = []
+    for cell in cells:
+        model_dir = (
+            str(FASTAPPLY_DIR)
+            if cell.model == FASTAPPLY
+            else f"{workdir}/model-{cell.model}"
+        )
+        runner_env = (
+            None if cell.runner == "default" else "1" if cell.runner == "mrv2" else "0"
+        )
+        out.append(
+            {
+                "cell": cell.key(),
+                RUNNER_ENV: runner_env,
+                "scripted": cell.drafter.startswith("scripted:"),
+                "engine_kwargs": engine_kwargs(cell, model_dir, spec_config(cell)),
+            }
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        description="Run a slice of the equivalence matrix (one engine per "
+        "cell, compared with the non-speculative reference).",
+    )
     ap.add_argument("--slice", default="v1-smoke")
     ap.add_argument("--out", default="reports/equivalence")
     ap.add_argument("--run", default=None)
@@ -864,10 +1003,23 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="start no new cell after this many seconds (then verify, report)",
     )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the cells and their engine arguments (JSON lines) and exit "
+        "without starting vLLM",
+    )
     a = ap.parse_args(argv)
     cells = slice_cells(a.slice)
     if a.only:
         cells = [c for c in cells if a.only in json.dumps(c.key())]
+    version = {"vllm": compat.version_str(), "from": compat.version_source()}
+    if a.dry_run:
+        print(json.dumps({"slice": a.slice, "cells": len(cells), **version}))
+        for item in dry_run(cells):
+            print(json.dumps(item, default=str))
+        return
+    print(json.dumps({"slice": a.slice, "cells": len(cells), **version}), flush=True)
     with tempfile.TemporaryDirectory(prefix="hsfork-eq-") as tmp:
         results = run_cells(cells, Path(tmp), a.prompts, a.seed, a.deadline)
     from .report import write_report

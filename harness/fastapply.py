@@ -1040,11 +1040,11 @@ def vllm_exact_match(
     ``harness.equivalence`` uses for Qwen3.5."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "mrv2" else "0"
+    from .equivalence import Cell, _shutdown, engine_kwargs, set_runner
+
+    set_runner(runner)  # v1 | mrv2 | default (vLLM's pick)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    from .equivalence import Cell, _shutdown, engine_kwargs
 
     drafter = "none" if spec_config is None else spec_config.get("method", "spec")
     k = 0 if spec_config is None else spec_config.get("num_speculative_tokens", 0)
@@ -1229,7 +1229,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     v.add_argument("--k", type=int, default=64)
     v.add_argument("--mtp-k", type=int, default=3)
-    v.add_argument("--runner", choices=["v1", "mrv2"], default="v1")
+    v.add_argument("--runner", choices=["v1", "mrv2", "default"], default="v1")
     v.add_argument("--async-sched", action="store_true")
     v.add_argument("--dtype", default="bfloat16")
     v.add_argument("--out", default=None, help="write results (JSON) here")

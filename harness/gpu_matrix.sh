@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Run slices of the equivalence matrix on a GPU host, fork and upstream
-# v0.26.0 side by side (one process per slice and variant, sharing the GPU).
+# Run slices of the equivalence matrix on a GPU host, fork and unpatched
+# upstream of the bundle's line (v0.26.0 or v0.33.0) side by side (one process per slice and variant, sharing the GPU).
 #
 #   bash harness/gpu_matrix.sh VARIANTS SLICES DEADLINE_S
 #   e.g. bash harness/gpu_matrix.sh "fork upstream" "v1-matrix-q-state v1-matrix-n-state" 400

@@ -727,7 +727,8 @@ def write_eagle3_head(
     target: str | Path, out: str | Path, seed: int = 0, std: float = 0.02
 ) -> Path:
     """Write an EAGLE-3 head (``eagle3_config``, weights normal(0, ``std``),
-    norms 1, identity draft-to-target vocabulary map) for the Qwen3.5
+    norms 1, identity draft-to-target vocabulary map where the vLLM line
+    takes one: ``harness.compat.eagle3_same_vocab_d2t``) for the Qwen3.5
     fixture in ``target`` into ``out``. The head shares the target's token
     embedding (vLLM shares it when the checkpoint has none). Random weights
     rarely draft the target's token: its drafts test rejected and partly
@@ -763,7 +764,11 @@ def write_eagle3_head(
         "norm.weight": h,
     }
     tensors.update({k: torch.ones(v) for k, v in norms.items()})
-    tensors["d2t"] = torch.zeros(cfg["draft_vocab_size"], dtype=torch.int64)
+    from .compat import eagle3_same_vocab_d2t
+
+    if eagle3_same_vocab_d2t():
+        # the identity map (v0.33.0 has none for a same-vocabulary head)
+        tensors["d2t"] = torch.zeros(cfg["draft_vocab_size"], dtype=torch.int64)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

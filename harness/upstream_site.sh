@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Source from a GPU-host script: makes upstream v0.26.0 sites from the
+# Source from a GPU-host script: makes unpatched upstream sites from the
 # bundle's fork site by reversing the patch series, and defines
 # `site_pythonpath VARIANT` that prints the PYTHONPATH for a variant, the
 # repo first. Variants: fork; upstream (the whole series reversed, at
 # /tmp/upstream-site); upstream+NNNN[+MMMM...] (every patch reversed except
-# the numbered ones, e.g. upstream+0015: v0.26.0 with only patch 0015).
+# the numbered ones, e.g. upstream+0015: upstream with only patch 0015).
 # Needs the bundle installed at /tmp/hybridspec and R = the repo root.
 # shellcheck disable=SC1091
 source /tmp/hybridspec/env.sh
+# the series of the bundle's line (env.sh sets HSFORK_BASE)
+PATCHES=${PATCHES:-$(cd "$R" && python3 -c 'from hsfork.common import patches_dir; print(patches_dir())')}
 _site_dir() {
   if [[ $1 == upstream ]]; then echo /tmp/upstream-site; else echo "/tmp/site-$1"; fi
 }
@@ -16,12 +18,12 @@ make_upstream_site() {
   dir=$(_site_dir "$variant")
   [[ -d $dir ]] && return 0
   cp -r /tmp/hybridspec/site "$dir"
-  mapfile -t series < "$R/patches/series"
+  mapfile -t series < "$PATCHES/series"
   for ((i=${#series[@]}-1; i>=0; i--)); do
     keep=0
     for n in ${variant//+/ }; do [[ ${series[$i]} == "$n"-* ]] && keep=1; done
     ((keep)) && continue
-    (cd "$dir" && git apply -R --include='vllm/*' "$R/patches/${series[$i]}") \
+    (cd "$dir" && git apply -R --include='vllm/*' "$PATCHES/${series[$i]}") \
       || { echo "reverse-apply failed: ${series[$i]}"; return 1; }
   done
 }

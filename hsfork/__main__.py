@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from .common import ToolError
+from .common import ToolError, line_names
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hsfork")
+    ap.add_argument(
+        "--base",
+        default=None,
+        help="the line to act on: a line name of upstream.toml (stable, current) "
+        "or its upstream version; default: $HSFORK_BASE, else the pin's default",
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("lines", help="list the lines: name, upstream version, paths")
     sub.add_parser("fetch", help="download and verify the pinned upstream files")
     p = sub.add_parser("sync", help="materialize fork/ from the pin and patches/")
     p.add_argument("--force", action="store_true", help="discard fork/ work")
@@ -36,11 +44,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--wheels", default=None, help="folder of dependency wheels to include (cp312)"
     )
+    sub.add_parser("testbed", help="create or update the line's CPU test bed venv")
     p = sub.add_parser("fixtures", help="write the offline model cache")
     p.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.base:
+        os.environ["HSFORK_BASE"] = args.base
     try:
-        if args.cmd == "fetch":
+        if args.cmd == "lines":
+            from .common import fork_dir, load_pin, patches_dir, selected_line
+
+            chosen = selected_line()
+            for name in line_names():
+                pin = load_pin(line=name)
+                mark = "*" if name == chosen else " "
+                print(
+                    f"{mark} {name or '-':8} v{pin.version:8} "
+                    f"patches: {patches_dir(pin)}  fork: {fork_dir(pin)}"
+                )
+        elif args.cmd == "fetch":
             from .fetch import fetch_all
 
             for kind, path in fetch_all().items():
@@ -70,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
                 with_optional=args.with_optional or args.include,
                 wheels=args.wheels,
             )
+        elif args.cmd == "testbed":
+            from .testbed import ensure_testbed
+
+            print(ensure_testbed())
         elif args.cmd == "fixtures":
             from .fixtures import write_model_cache
 

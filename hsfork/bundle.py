@@ -3,19 +3,33 @@ the fork and our GPU tests, split into upload-sized parts.
 
 The host is assumed to have CPython 3.12 with torch 2.11.0+cu130 and the
 packages in ``gpu_host_packages.txt`` (the image of the lent GPU machines).
-The payload (one ``tar.xz``) holds:
+Both lines install over that torch ("host torch"): v0.26.0 declares it, and
+v0.33.0's compiled extensions use only torch's stable C ABI, whose symbols
+torch 2.11 defines (``stage_torch`` stages the torch 2.14 that v0.33.0
+declares, for runs that want it). The payload (one ``tar.xz``) holds:
 
 - ``site/``: the fork wheel's contents (patched Python tree, dist-info and the
   compiled extensions, stripped), without the big optional binaries unless
   ``--with-optional``: FA2, the MoE kernels, DeepGEMM and the Rust frontend;
 - ``wheels/``: the runtime dependency wheels (CPython 3.12, manylinux x86_64)
-  that the host lacks;
+  that the host lacks, or has at a version the line does not accept (where
+  ``gpu_host_packages.txt`` records the host's version); never torch, triton
+  or the CUDA libraries (the host's serve);
 - ``repo/``: our tests, fixtures and tooling, and the fork's ``tests/`` tree.
 
 The payload is split into ``<name>.tar.xz.part-NNN`` files of at most
-``part_size`` bytes. ``manifest.json`` lists each part's and the payload's
+``part_size`` bytes, of equal size (``auto``: as large as one upload to the
+device machine allows beside this repository's working tree, which travels
+with every upload). ``manifest.json`` lists each part's and the payload's
 sha256; ``install.sh STAGING TARGET`` checks them, reassembles, unpacks into
-TARGET, installs the wheels there and prints the environment to use.
+TARGET, installs the wheels there and prints the environment to use. Each
+part also gets a folder ``upload-N/`` (hard links: the part, manifest.json,
+install.sh) to carry in one upload; ``install.sh ... --from upload-N`` adds
+it to STAGING and installs once every part is there.
+
+With ``keep_sm`` (``HSFORK_KEEP_SM=90``) the compiled extensions keep only
+the GPU code an sm_90 device runs (``fatbin.prune``): smaller, for
+Hopper hosts only.
 """
 
 from __future__ import annotations
@@ -34,10 +48,36 @@ import zipfile
 from collections.abc import Collection
 from pathlib import Path
 
-from .common import REPO, ToolError, dist_dir, fork_dir, info, load_pin, sha256_file
+from .common import (
+    REPO,
+    ToolError,
+    build_dir,
+    dist_dir,
+    fork_dir,
+    info,
+    load_pin,
+    sha256_file,
+)
+from .fatbin import prune
 from .fork import fork_version
 
 HOST_PACKAGES = Path(__file__).with_name("gpu_host_packages.txt")
+# The device machines take at most this much per call: the working tree
+# (tracked and untracked-not-ignored files) plus the carried paths.
+UPLOAD_LIMIT = 64 << 20
+# kept free in each upload beside the part: the upload folder's manifest.json
+# and install.sh, and growth of the working tree between bundling and upload
+UPLOAD_MARGIN = 3 << 20
+# Never carried: the host's torch, triton and CUDA libraries serve (the
+# "host torch" staging); stage_torch.py stages the declared ones.
+HOST_STACK = (
+    "torch",
+    "torchaudio",
+    "torchvision",
+    "triton",
+    "nvidia-*",
+    "cuda-*",
+)
 INSTALL_SH = Path(__file__).with_name("install_bundle.sh")
 
 # Big compiled parts that most GPU tests do not need (FA3 and the custom ops
@@ -54,7 +94,9 @@ TEST_DEPS = ("tblib", "pytest-asyncio")
 PLATFORMS = (
     "manylinux_2_17_x86_64",
     "manylinux2014_x86_64",
+    "manylinux_2_18_x86_64",
     "manylinux_2_24_x86_64",
+    "manylinux_2_26_x86_64",
     "manylinux_2_27_x86_64",
     "manylinux_2_28_x86_64",
     "manylinux_2_31_x86_64",
@@ -79,13 +121,25 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def host_packages() -> set[str]:
-    names = set()
-    for line in HOST_PACKAGES.read_text().splitlines():
+def host_versions(path: Path | None = None) -> dict[str, str | None]:
+    """canonical name -> the host's version where the list records one
+    (``name==version``), else None."""
+    out: dict[str, str | None] = {}
+    for line in (path or HOST_PACKAGES).read_text().splitlines():
         line = line.split("#", 1)[0].strip()
-        if line:
-            names.add(canonical(line))
-    return names
+        if not line:
+            continue
+        name, _, version = line.partition("==")
+        out[canonical(name.strip())] = version.strip() or None
+    return out
+
+
+def host_packages() -> set[str]:
+    return set(host_versions())
+
+
+def in_host_stack(name: str) -> bool:
+    return any(fnmatch.fnmatch(canonical(name), pat) for pat in HOST_STACK)
 
 
 def is_optional(name: str, include: Collection[str] = ()) -> bool:
@@ -134,11 +188,24 @@ def _wheel_requires(wheel: Path) -> list[str]:
             if line.startswith("Requires-Dist: ")]  # fmt: skip
 
 
-def resolve_dependencies(requirements: list[str], dest: Path) -> list[Path]:
+def resolve_dependencies(
+    requirements: list[str],
+    dest: Path,
+    host: dict[str, str | None] | None = None,
+    report: dict | None = None,
+) -> list[Path]:
     """Download into ``dest`` the wheels the requirements need on a cp312
-    host, walking dependencies breadth-first. Packages preinstalled on the
-    host (by name) are neither carried nor walked into: their own needs are
-    met there. Returns the wheels, one per project.
+    host, walking dependencies breadth-first. Returns the wheels, one per
+    project.
+
+    A package preinstalled on the host (``host``, default
+    ``gpu_host_packages.txt``) is neither carried nor walked into when the
+    list gives no version for it or its version meets every requirement seen
+    so far; a recorded version that does not is carried like any other.
+    torch, triton and the CUDA libraries (``HOST_STACK``) are never carried:
+    where the host's version does not meet a requirement it is listed in
+    ``report["host_stack_unmet"]`` (``report["assumed"]`` lists host
+    packages of unknown version taken as they are).
 
     Why not pip's resolver (``pip install --dry-run --report`` with
     ``--platform``): it cannot treat the host's packages as installed, so it
@@ -154,7 +221,10 @@ def resolve_dependencies(requirements: list[str], dest: Path) -> list[Path]:
            "platform_machine": "x86_64", "implementation_name": "cpython",
            "platform_python_implementation": "CPython", "os_name": "posix",
            "extra": ""}  # fmt: skip
-    host = host_packages()
+    host = host_versions() if host is None else host
+    report = {} if report is None else report
+    unmet: dict[str, str] = {}
+    assumed: set[str] = set()
     specs: dict[str, SpecifierSet] = {}
     extras: dict[str, set[str]] = {}
     chosen: dict[str, Path] = {}
@@ -167,9 +237,24 @@ def resolve_dependencies(requirements: list[str], dest: Path) -> list[Path]:
             if req.marker and not req.marker.evaluate(env):
                 continue
             name = canonical(req.name)
-            if name in host or name == "vllm":
+            if name == "vllm":
                 continue
             specs[name] = specs.get(name, SpecifierSet()) & req.specifier
+            if name in host or in_host_stack(name):
+                have_version = host.get(name)
+                ok = have_version is None or specs[name].contains(
+                    have_version, prereleases=True
+                )
+                if in_host_stack(name):
+                    if not ok or (have_version is None and str(specs[name])):
+                        unmet[name] = (
+                            f"{name}{specs[name]} (host: {have_version or '?'})"
+                        )
+                    continue
+                if ok and name not in chosen:
+                    if have_version is None and str(specs[name]):
+                        assumed.add(f"{name}{specs[name]}")
+                    continue
             new_extras = set(req.extras) - extras.get(name, set())
             extras.setdefault(name, set()).update(req.extras)
             have = chosen.get(name)
@@ -208,6 +293,9 @@ def resolve_dependencies(requirements: list[str], dest: Path) -> list[Path]:
     for whl in dest.glob("*.whl"):
         if whl not in chosen.values():
             whl.unlink()
+    report["host_stack_unmet"] = sorted(unmet.values())
+    report["assumed"] = sorted(assumed)
+    report["carried_over_host"] = sorted(n for n in chosen if n in host)
     return sorted(chosen.values())
 
 
@@ -262,9 +350,12 @@ def write_payload(
     repo_files: dict[str, Path],
     with_optional: bool | Collection[str],
     strip: bool = True,
+    keep_sm: int | None = None,
 ) -> dict:
     keep = optional_keys(with_optional)
-    contents = {"site": 0, "wheels": [], "excluded": [], "stripped": []}
+    contents: dict = {"site": 0, "wheels": [], "excluded": [], "stripped": []}
+    if keep_sm:
+        contents["pruned"] = {}
     with tarfile.open(tar_path, "w") as tar, zipfile.ZipFile(wheel) as whl:
         for zi in whl.infolist():
             if zi.is_dir():
@@ -277,6 +368,15 @@ def write_payload(
             if strip and zi.filename.endswith(".so"):
                 data = _strip(data)
                 contents["stripped"].append(zi.filename)
+            if keep_sm and zi.filename.endswith(".so"):
+                buf = bytearray(data)
+                stats = prune(buf, keep_sm)
+                if stats.dropped and not stats.skipped:
+                    data = bytes(buf)
+                    contents["pruned"][zi.filename] = {
+                        "kept": stats.kept_bytes,
+                        "zeroed": stats.dropped_bytes,
+                    }
             _add_bytes(tar, f"site/{zi.filename}", data, mode)
             contents["site"] += 1
         for w in dep_wheels:
@@ -305,15 +405,75 @@ def compress(tar_path: Path, level: str) -> Path:
 
 
 def split(path: Path, part_size: int, outdir: Path) -> list[Path]:
+    """Cut ``path`` into the fewest parts of at most ``part_size`` bytes,
+    all of about the same size (each upload then has the same room left)."""
+    total = path.stat().st_size
+    count = max(1, -(-total // part_size))
+    size = -(-total // count)
     parts = []
     with open(path, "rb") as fh:
         i = 0
-        while block := fh.read(part_size):
+        while block := fh.read(size):
             part = outdir / f"{path.name}.part-{i:03d}"
             part.write_bytes(block)
             parts.append(part)
             i += 1
     return parts
+
+
+def worktree_size(repo: Path = REPO) -> int:
+    """Bytes of what travels with every call to the device machine: tracked
+    and untracked-not-ignored files of the repository."""
+    proc = subprocess.run(
+        ["git", "-C", str(repo), "ls-files", "-z", "-co", "--exclude-standard"],
+        capture_output=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise ToolError(f"cannot list the working tree of {repo}")
+    total = 0
+    for name in proc.stdout.split(b"\0"):
+        if name:
+            path = repo / os.fsdecode(name)
+            if path.is_file() and not path.is_symlink():
+                total += path.stat().st_size
+    return total
+
+
+def upload_part_size(worktree: int | None = None, margin: int = UPLOAD_MARGIN) -> int:
+    """The largest part that fits one upload beside the working tree, in
+    whole MiB."""
+    worktree = worktree_size() if worktree is None else worktree
+    room = (UPLOAD_LIMIT - worktree - margin) >> 20 << 20
+    if room < 1 << 20:
+        raise ToolError(
+            f"the working tree ({worktree >> 20} MiB) leaves no room in a "
+            f"{UPLOAD_LIMIT >> 20} MiB upload"
+        )
+    return room
+
+
+def resolve_part_size(text: str | int) -> int:
+    """``auto`` (see upload_part_size) or a size such as ``32M``."""
+    if isinstance(text, str) and text.strip().lower() == "auto":
+        return upload_part_size()
+    return parse_size(text)
+
+
+def write_upload_dirs(out: Path, parts: list[Path]) -> list[Path]:
+    """``out/upload-N/``: part N with manifest.json and install.sh, as hard
+    links (copies where links fail): one folder to carry per upload."""
+    dirs = []
+    for i, part in enumerate(parts, 1):
+        d = out / f"upload-{i}"
+        d.mkdir()
+        for src in (part, out / "manifest.json", out / "install.sh"):
+            try:
+                os.link(src, d / src.name)
+            except OSError:
+                shutil.copy2(src, d / src.name)
+        dirs.append(d)
+    return dirs
 
 
 def build_bundle(
@@ -326,8 +486,11 @@ def build_bundle(
     with_optional: bool | Collection[str] = False,
     level: str = "9e",
     strip: bool = True,
+    keep_sm: int | None = None,
+    extra: dict | None = None,
 ) -> dict:
-    """Write parts, manifest.json and install.sh into ``out``; return manifest."""
+    """Write parts, manifest.json, install.sh and one ``upload-N/`` folder
+    per part into ``out``; return the manifest (``extra`` is merged in)."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -336,7 +499,7 @@ def build_bundle(
         tar_path = Path(tmp) / f"{name}.tar"
         info(f"writing payload from {wheel.name} and {len(dep_wheels)} wheel(s)")
         contents = write_payload(
-            tar_path, wheel, dep_wheels, repo_files, with_optional, strip
+            tar_path, wheel, dep_wheels, repo_files, with_optional, strip, keep_sm
         )
         info(f"compressing ({tar_path.stat().st_size >> 20} MiB, xz -{level})")
         payload = compress(tar_path, level)
@@ -354,16 +517,19 @@ def build_bundle(
             ],
             "part_size": part_size,
             "with_optional": sorted(optional_keys(with_optional)),
+            "keep_sm": keep_sm,
             "assumes": {
                 "python": "CPython 3.12, x86_64 Linux",
                 "preinstalled": "torch 2.11.0+cu130 and the packages in "
                 "repo/hsfork/gpu_host_packages.txt",
             },
             "contents": contents,
+            **(extra or {}),
         }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     shutil.copyfile(INSTALL_SH, out / "install.sh")
     os.chmod(out / "install.sh", 0o755)
+    write_upload_dirs(out, parts)
     return manifest
 
 
@@ -372,7 +538,7 @@ def repo_payload_files() -> dict[str, Path]:
         "hsfork": REPO / "hsfork",
         "tests": REPO / "tests",
         "upstream.toml": REPO / "upstream.toml",
-        "patches": REPO / "patches",
+        "patches": REPO / "patches",  # every line's series
         "fork-tests": fork_dir() / "tests",
     }
     for extra in ("benchmarks", "examples", "harness"):
@@ -381,36 +547,83 @@ def repo_payload_files() -> dict[str, Path]:
     return files
 
 
+def keep_sm_from_env() -> int | None:
+    value = os.environ.get("HSFORK_KEEP_SM", "").strip().removeprefix("sm_")
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ToolError(f"HSFORK_KEEP_SM={value!r}: give an architecture, e.g. 90")
+    return int(value)
+
+
 def make_bundle(
     out: str | None = None,
-    part_size: str = "60M",
+    part_size: str = "auto",
     with_optional: bool | Collection[str] = False,
     wheels: str | None = None,
+    keep_sm: int | None = None,
 ) -> dict:
+    """Bundle the selected line (``HSFORK_BASE``) for a host with torch
+    2.11: its fork wheel from dist/, the dependency wheels it lacks, our repo.
+    ``keep_sm`` (default: ``HSFORK_KEEP_SM``) prunes the GPU code of other
+    architectures from the compiled extensions."""
     pin = load_pin()
     version = fork_version(pin)
+    keep_sm = keep_sm if keep_sm is not None else keep_sm_from_env()
     fork_wheels = sorted(dist_dir().glob(f"{pin.name}-{version}-*.whl"))
     if not fork_wheels:
-        raise ToolError(f"no wheel for {version} in {dist_dir()}: run `make wheel`")
-    out_dir = Path(out) if out else REPO / "build" / "bundle"
+        raise ToolError(
+            f"no wheel for {version} in {dist_dir()}: run "
+            f"`make wheel BASE={pin.line or 'current'}`"
+        )
+    out_dir = Path(out) if out else build_dir(pin) / "bundle"
+    size = resolve_part_size(part_size)
+    worktree = worktree_size()
+    if size + worktree > UPLOAD_LIMIT:
+        info(
+            f"warning: parts of {size >> 20} MiB beside the working tree "
+            f"({worktree >> 20} MiB) exceed one {UPLOAD_LIMIT >> 20} MiB upload; "
+            "--part-size auto fits them"
+        )
+    report: dict = {}
     if wheels:
         dep_wheels = sorted(Path(wheels).glob("*.whl"))
     else:
-        cache = REPO / ".cache" / "bundle-wheels"
+        cache = REPO / ".cache" / "bundle-wheels" / pin.tag
         if cache.exists():
             shutil.rmtree(cache)
-        dep_wheels = resolve_dependencies(runtime_requirements(fork_dir()), cache)
+        dep_wheels = resolve_dependencies(
+            runtime_requirements(fork_dir(pin)), cache, report=report
+        )
         info(f"{len(dep_wheels)} dependency wheel(s) the GPU host lacks")
+        for line in report.get("host_stack_unmet", []):
+            info(f"not carried (the host's serves): {line}")
     manifest = build_bundle(
         out_dir,
         fork_wheels[-1],
         dep_wheels,
         repo_payload_files(),
         version,
-        parse_size(part_size),
+        size,
         with_optional,
+        keep_sm=keep_sm,
+        extra={
+            "line": pin.line,
+            "declares_torch": pin.torch,
+            "resolution": report,
+        },
     )
     for p in manifest["parts"]:
         print(f"{out_dir / p['name']}  {p['size']} bytes")
     print(f"{out_dir / 'manifest.json'}\n{out_dir / 'install.sh'}")
+    print(
+        f"{len(manifest['parts'])} upload(s) of at most {size >> 20} MiB beside "
+        f"the working tree ({worktree >> 20} MiB): carry "
+        + ", ".join(
+            str((out_dir / f"upload-{i}").relative_to(REPO))
+            if out_dir.is_relative_to(REPO)
+            else str(out_dir / f"upload-{i}")
+            for i in range(1, len(manifest["parts"]) + 1)
+        )
+    )
     return manifest

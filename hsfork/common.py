@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,14 +30,6 @@ def cache_dir() -> Path:
     return env_path("HSFORK_CACHE", REPO / ".cache" / "upstream")
 
 
-def fork_dir() -> Path:
-    return env_path("HSFORK_FORK", REPO / "fork")
-
-
-def patches_dir() -> Path:
-    return env_path("HSFORK_PATCHES", REPO / "patches")
-
-
 def dist_dir() -> Path:
     return env_path("HSFORK_DIST", REPO / "dist")
 
@@ -51,11 +43,19 @@ class PinnedFile:
 
 @dataclass(frozen=True)
 class Pin:
+    """One line of the fork: an upstream release and what we build on it."""
+
     name: str
     version: str
     tag: str
     cuda: str
     files: tuple[PinnedFile, ...]
+    # "stable", "current", ...; "" for a single-line pin file
+    line: str = ""
+    # the torch the upstream wheel declares
+    torch: str = ""
+    # what the CPU test bed installs (hsfork/testbed.py)
+    testbed: dict[str, str] = field(default_factory=dict)
 
     def file(self, kind: str) -> PinnedFile:
         for f in self.files:
@@ -64,21 +64,87 @@ class Pin:
         raise ToolError(f"{pin_file()}: no file of kind {kind!r} is pinned")
 
 
-def load_pin(path: Path | None = None) -> Pin:
-    path = path or pin_file()
+def _read_pin_file(path: Path) -> dict:
     with open(path, "rb") as fh:
-        data = tomllib.load(fh)
-    pkg = data["package"]
+        return tomllib.load(fh)
+
+
+def line_names(path: Path | None = None) -> dict[str, str]:
+    """line name -> upstream version, in the pin file's order."""
+    data = _read_pin_file(path or pin_file())
+    if "lines" not in data:
+        return {"": data["package"]["version"]}
+    return {name: spec["version"] for name, spec in data["lines"].items()}
+
+
+def selected_line(path: Path | None = None) -> str:
+    """The line the tools act on: ``HSFORK_BASE`` (a line name or an upstream
+    version, with or without a leading ``v``), else the pin file's default."""
+    data = _read_pin_file(path or pin_file())
+    if "lines" not in data:
+        return ""
+    want = os.environ.get("HSFORK_BASE", "").strip() or data.get("default", "")
+    for name, spec in data["lines"].items():
+        if want in (name, spec["version"], "v" + spec["version"]):
+            return name
+    known = ", ".join(f"{n} (v{s['version']})" for n, s in data["lines"].items())
+    raise ToolError(f"unknown base {want!r}; the lines are: {known}")
+
+
+def load_pin(path: Path | None = None, line: str | None = None) -> Pin:
+    """The pin of ``line`` (default: the selected line)."""
+    path = path or pin_file()
+    data = _read_pin_file(path)
+    if "lines" in data:
+        line = line if line is not None else selected_line(path)
+        if line not in data["lines"]:
+            raise ToolError(f"{path}: no line {line!r}")
+        pkg = data["lines"][line]
+        raw_files = pkg["files"]
+    else:  # a single-line pin: [package] and [[files]]
+        line, pkg, raw_files = "", data["package"], data["files"]
     files = tuple(
-        PinnedFile(f["kind"], f["filename"], f["sha256"].lower()) for f in data["files"]
+        PinnedFile(f["kind"], f["filename"], f["sha256"].lower()) for f in raw_files
     )
+    testbed = {
+        k.removeprefix("testbed_"): str(v)
+        for k, v in pkg.items()
+        if k.startswith("testbed_")
+    }
     return Pin(
         name=pkg["name"],
         version=pkg["version"],
         tag=pkg.get("tag", f"v{pkg['version']}"),
         cuda=pkg.get("cuda", ""),
         files=files,
+        line=line,
+        torch=pkg.get("torch", ""),
+        testbed=testbed,
     )
+
+
+def _line_path(var: str, base: Path, pin: Pin | None) -> Path:
+    """``var`` if set, else ``base``/<tag> (``base`` for a one-line pin)."""
+    if os.environ.get(var):
+        return env_path(var, base)
+    pin = pin or load_pin()
+    return base / pin.tag if pin.line else base
+
+
+def fork_dir(pin: Pin | None = None) -> Path:
+    return _line_path("HSFORK_FORK", REPO / "fork", pin)
+
+
+def patches_dir(pin: Pin | None = None) -> Path:
+    return _line_path("HSFORK_PATCHES", REPO / "patches", pin)
+
+
+def venv_dir(pin: Pin | None = None) -> Path:
+    return _line_path("HSFORK_VENV", REPO / ".venv", pin)
+
+
+def build_dir(pin: Pin | None = None) -> Path:
+    return _line_path("HSFORK_BUILD", REPO / "build", pin)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

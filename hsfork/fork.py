@@ -105,13 +105,13 @@ def series_digest(patches: list[bytes]) -> str:
 
 def local_label(pdir: Path | None = None) -> str:
     """PEP 440 local label naming the patch stack: count and content hash."""
-    patches = [p.read_bytes() for p in read_series(pdir)]
+    patches = [p.read_bytes() for p in read_series(pdir or patches_dir())]
     return f"hybridspec.p{len(patches)}.{series_digest(patches)[:10]}"
 
 
 def fork_version(pin: Pin | None = None, pdir: Path | None = None) -> str:
     pin = pin or load_pin()
-    return f"{pin.version}+{local_label(pdir)}"
+    return f"{pin.version}+{local_label(pdir or patches_dir(pin))}"
 
 
 # ---------------------------------------------------------------------------

@@ -87,8 +87,11 @@ cat >"$TARGET/bin/vllm" <<EOF
 exec $PY -m vllm.entrypoints.cli.main "\$@"
 EOF
 chmod +x "$TARGET/bin/vllm"
+BASE_VERSION=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["version"].split("+")[0])' "$STAGING/manifest.json")
 cat >"$TARGET/env.sh" <<EOF
 # source this file to use the vllm-hybrid-spec bundle
+# the line of the bundle: hsfork's tools pick its patch series
+export HSFORK_BASE="$BASE_VERSION"
 export PYTHONPATH="$TARGET/site:$TARGET/deps:$TARGET/repo\${PYTHONPATH:+:\$PYTHONPATH}"
 export PATH="$TARGET/bin:$TARGET/deps/bin:\$PATH"
 export HSFORK_BUNDLE="$TARGET"

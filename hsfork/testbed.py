@@ -1,11 +1,14 @@
-"""The CPU test bed: an ignored venv that runs the fork's Python on a CPU.
+"""The CPU test bed: an ignored venv per line (``.venv/<version>``) that runs
+that line's fork on a CPU.
 
-- torch 2.13.0 (the local CPU build) and triton 3.6.0, whose interpreter runs
-  the Triton kernels on the CPU (``TRITON_INTERPRET=1``);
+- the torch and triton the line names in ``upstream.toml`` (``testbed_*``):
+  triton's interpreter runs the Triton kernels on the CPU
+  (``TRITON_INTERPRET=1``). v0.26.0 takes the local torch 2.13.0 CPU build;
+  v0.33.0 takes torch 2.14.1, a CUDA build that runs on a CPU;
 - vLLM's runtime requirements for no device (``requirements/common.txt``),
   the CUDA-only ones (flashinfer, cutlass, ...) left out;
-- torchvision 0.28.0 (built for torch 2.13.0), whose CUDA extension cannot
-  load on a CPU torch: it is removed and the two operator schemas that
+- the matching torchvision. Where torch is a CPU build, torchvision's CUDA
+  extension cannot load: it is removed and the two operator schemas that
   torchvision's import registers fakes for are declared instead, so its pure
   Python transforms (which vLLM's Qwen3-VL/3.5 processors import) work;
 - a vLLM platform plugin (``cpu_platform_plugin/``) that, with
@@ -26,15 +29,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .common import REPO, ToolError, info, load_pin
+from .common import REPO, Pin, ToolError, info, load_pin, venv_dir
 from .fetch import fetch_file
 from .fork import ensure_synced, fork_version
 
-VENV = Path(os.environ.get("HSFORK_VENV", REPO / ".venv"))
 REQUIREMENTS = REPO / "tests" / "requirements-cpu.txt"
-TORCH = "torch==2.13.0"
-TRITON = "triton==3.6.0"
-TORCHVISION = "torchvision==0.28.0"
 PLATFORM_PLUGIN = Path(__file__).with_name("cpu_platform_plugin")
 
 _TV_SHIM = '''\
@@ -54,8 +53,20 @@ for _schema in (
 '''
 
 
-def python() -> Path:
-    return VENV / "bin" / "python"
+def python(pin: Pin | None = None) -> Path:
+    return venv_dir(pin) / "bin" / "python"
+
+
+def _versions(pin: Pin) -> tuple[str, str, str]:
+    tb = pin.testbed
+    try:
+        return (
+            f"torch=={tb['torch']}",
+            f"triton=={tb['triton']}",
+            f"torchvision=={tb['torchvision']}",
+        )
+    except KeyError as e:
+        raise ToolError(f"upstream.toml: line {pin.line!r} names no testbed_{e}")
 
 
 def _pip(*args: str) -> None:
@@ -71,8 +82,8 @@ def _pip(*args: str) -> None:
         raise ToolError(f"pip failed: {' '.join(cmd)}")
 
 
-def _stamp_inputs(repo: Path) -> str:
-    h = hashlib.sha256()
+def _stamp_inputs(repo: Path, pin: Pin) -> str:
+    h = hashlib.sha256(" ".join(_versions(pin)).encode())
     for path in (
         repo / "requirements" / "common.txt",
         REQUIREMENTS,
@@ -98,6 +109,15 @@ def _site_packages() -> Path:
 
 
 def _cpu_torchvision() -> None:
+    """Drop torchvision's CUDA extension where torch is a CPU build."""
+    cpu_torch = subprocess.run(
+        [str(python()), "-c", "import torch; print(torch.version.cuda is None)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if cpu_torch != "True":
+        return  # a CUDA build of torch loads torchvision's extension as it is
     tv = _site_packages() / "torchvision"
     (tv / "_C.so").unlink(missing_ok=True)
     shim = tv / "_hsfork_cpu_ops.py"
@@ -126,23 +146,26 @@ def _installed_vllm() -> dict | None:
 def ensure_testbed() -> Path:
     pin = load_pin()
     repo = ensure_synced(allow_local_work=True)
+    venv = venv_dir(pin)
+    torch, triton, torchvision = _versions(pin)
     if not python().exists():
-        info(f"creating {VENV}")
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-    stamp = VENV / ".hsfork-stamp"
-    want = _stamp_inputs(repo)
+        info(f"creating {venv}")
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    stamp = venv / ".hsfork-stamp"
+    want = _stamp_inputs(repo, pin)
     if not stamp.exists() or stamp.read_text() != want:
-        _pip("-q", TORCH, TRITON)
+        _pip("-q", torch, triton)
         _pip(
             "-q",
-            TORCH,
-            TRITON,
+            torch,
+            triton,
             "-r",
             str(repo / "requirements" / "common.txt"),
             "-r",
             str(REQUIREMENTS),
         )
-        _pip("-q", "--no-deps", TORCHVISION)
+        _pip("-q", "--no-deps", torchvision)
         _cpu_torchvision()
         _pip("-q", "--no-deps", "--no-build-isolation", str(PLATFORM_PLUGIN))
         stamp.write_text(want)

@@ -1,6 +1,7 @@
 """Build the full fork wheel through vLLM's precompiled-binaries build path.
 
-The committed state of ``fork/`` is cloned into ``build/wheel-src`` and
+The committed state of the line's fork (``fork/<version>``) is cloned into
+``build/<version>/wheel-src`` and
 built there with ``VLLM_USE_PRECOMPILED=1`` and
 ``VLLM_PRECOMPILED_WHEEL_LOCATION`` pointing at the pinned upstream wheel:
 setup.py copies every compiled extension out of that wheel, nothing is
@@ -19,7 +20,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .common import REPO, ToolError, dist_dir, fork_dir, info, load_pin, run
+from .common import (
+    ToolError,
+    build_dir,
+    dist_dir,
+    fork_dir,
+    info,
+    load_pin,
+    run,
+)
 from .fetch import fetch_file
 from .fork import ensure_synced, fork_version, git
 
@@ -60,7 +69,7 @@ def build_wheel(python: str, out: Path | None = None) -> Path:
     ensure_synced(allow_local_work=False)
     version = fork_version(pin)
     upstream_wheel = fetch_file(pin, pin.file("wheel"))
-    src = REPO / "build" / "wheel-src"
+    src = build_dir(pin) / "wheel-src"
     info(f"checking out {repo} HEAD into {src}")
     _checkout(repo, src)
     out = out or dist_dir()
@@ -84,7 +93,7 @@ def build_wheel(python: str, out: Path | None = None) -> Path:
     try:
         proc = run([python, "-c", _DRIVER, str(staging)], cwd=src, env=env, check=False)
         if proc.returncode != 0:
-            log = REPO / "build" / "wheel.log"
+            log = build_dir(pin) / "wheel.log"
             log.write_text(proc.stdout + proc.stderr)
             tail = (proc.stdout + proc.stderr)[-4000:]
             raise ToolError(f"wheel build failed (full log: {log}):\n{tail}")

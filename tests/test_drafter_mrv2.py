@@ -216,9 +216,9 @@ def test_reference_end_limits_drafts(tmp_path):
 def mrv2():
     pytest.importorskip("vllm")
     from vllm.v1.worker.gpu import model_runner
-    from vllm.v1.worker.gpu.spec_decode.autoregressive import speculator
 
-    yield SimpleNamespace(runner=model_runner, speculator=speculator)
+    # AutoRegressiveSpeculator (v0.26.0), TargetDependentARSpeculator (v0.33.0)
+    yield SimpleNamespace(runner=model_runner, speculator=m.speculator_class())
     m.uninstall()
 
 
@@ -226,7 +226,7 @@ def test_install_patches_the_real_mrv2_classes(mrv2):
     from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
     from vllm.v1.worker.gpu.spec_decode.mtp.speculator import MTPSpeculator
 
-    ar = mrv2.speculator.AutoRegressiveSpeculator
+    ar = mrv2.speculator
     runner = mrv2.runner.GPUModelRunner
     orig = (
         ar.__dict__["propose"],
@@ -320,7 +320,7 @@ def test_propose_overwrites_scripted_rows_at_their_positions(
     mrv2, tmp_path, monkeypatch
 ):
     prompts, refs, log = _write_script(tmp_path, monkeypatch)
-    real = mrv2.speculator.AutoRegressiveSpeculator.__dict__["propose"]
+    real = mrv2.speculator.__dict__["propose"]
     propose = m._wrap_propose(_fake_propose(real))
     m.install()
     spec = SimpleNamespace(
@@ -371,7 +371,7 @@ def test_take_draft_token_ids_cuts_to_scheduled_drafts(mrv2, tmp_path, monkeypat
     from vllm.v1.outputs import DraftTokenIds
 
     prompts, _, _ = _write_script(tmp_path, monkeypatch, "all_zero")
-    real = mrv2.speculator.AutoRegressiveSpeculator.__dict__["propose"]
+    real = mrv2.speculator.__dict__["propose"]
     propose = m._wrap_propose(_fake_propose(real))
     m.install()
     for async_sched in (False, True):
@@ -434,7 +434,7 @@ def test_script_block_size_defaults_to_the_engines(tmp_path, monkeypatch):
 
 def test_propose_can_skip_the_real_drafter(mrv2, tmp_path, monkeypatch):
     prompts, refs, _ = _write_script(tmp_path, monkeypatch)
-    real = mrv2.speculator.AutoRegressiveSpeculator.__dict__["propose"]
+    real = mrv2.speculator.__dict__["propose"]
     calls = []
 
     @functools.wraps(real)

@@ -10,7 +10,14 @@ import pytest
 from conftest import REPO, git
 
 from hsfork import fork as hf
-from hsfork.common import ToolError, load_pin
+from hsfork.common import (
+    ToolError,
+    fork_dir,
+    line_names,
+    load_pin,
+    patches_dir,
+    selected_line,
+)
 
 
 def _commit_change(repo: Path, path: str, text: str, msg: str) -> None:
@@ -140,21 +147,43 @@ def test_local_label_identifies_the_stack(synth):
     assert hf.fork_version() == f"0.26.0+{one}"
 
 
-def test_real_series_sync_export_roundtrip(tmp_path, monkeypatch):
-    """The committed patches/ applies to the pinned sdist and exports back
-    byte-identically (what `make sync && make export` must keep clean)."""
-    pin = load_pin(REPO / "upstream.toml")
+@pytest.mark.parametrize("line", ["stable", "current"])
+def test_real_series_sync_export_roundtrip(tmp_path, monkeypatch, line):
+    """Each line's committed series applies to its pinned sdist and exports
+    back byte-identically (what `make sync && make export` must keep clean)."""
+    pin = load_pin(REPO / "upstream.toml", line=line)
     from hsfork.fetch import fetch_file
 
     sdist = fetch_file(pin, pin.file("sdist"), REPO / ".cache" / "upstream")
+    committed = patches_dir(pin)
+    monkeypatch.setenv("HSFORK_BASE", line)
     monkeypatch.setenv("HSFORK_CACHE", str(sdist.parent))
     monkeypatch.setenv("HSFORK_FORK", str(tmp_path / "fork"))
     exported = tmp_path / "patches"
-    shutil.copytree(REPO / "patches", exported)
+    shutil.copytree(committed, exported, ignore=shutil.ignore_patterns("*.txt"))
     monkeypatch.setenv("HSFORK_PATCHES", str(exported))
     hf.sync()
     hf.export()
-    assert _snapshot(exported) == _snapshot(REPO / "patches")
+    series = {k: v for k, v in _snapshot(committed).items() if k != "upstream-tests.txt"}
+    assert _snapshot(exported) == series
+
+
+def test_lines_select_their_own_paths(monkeypatch):
+    """Every line has its own series, fork and test bed; HSFORK_BASE takes a
+    line name or a version, and an unknown one is refused with the list."""
+    lines = line_names(REPO / "upstream.toml")
+    assert set(lines) == {"stable", "current"}
+    pins = {name: load_pin(REPO / "upstream.toml", line=name) for name in lines}
+    assert len({patches_dir(p) for p in pins.values()}) == 2
+    assert len({fork_dir(p) for p in pins.values()}) == 2
+    for name, pin in pins.items():
+        assert patches_dir(pin) == REPO / "patches" / pin.tag
+        assert (patches_dir(pin) / "series").is_file()
+        monkeypatch.setenv("HSFORK_BASE", pin.tag)
+        assert selected_line(REPO / "upstream.toml") == name
+    monkeypatch.setenv("HSFORK_BASE", "0.0.1")
+    with pytest.raises(ToolError, match="stable .v0.26.0"):
+        selected_line(REPO / "upstream.toml")
 
 
 def test_ensure_synced_follows_patches_but_keeps_local_work(synth):

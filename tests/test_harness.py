@@ -5,6 +5,7 @@ drafter's schedules and request matching, report building."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -475,3 +476,186 @@ def test_eagle3_cells_write_and_use_a_head(tmp_path):
     assert kw["speculative_config"]["model"] == head
     # the committed fixture's head goes to the temp folder, not beside it
     assert not drafter_dir(str(FASTAPPLY_DIR), "eagle3").startswith(str(FASTAPPLY_DIR))
+
+
+# --- vLLM lines (harness.compat) ----------------------------------------------
+
+LINES = ("0.26.0", "0.33.0")
+
+
+@pytest.fixture(params=LINES)
+def line(request, monkeypatch):
+    """Each test runs for both vLLM lines the harness drives (the version
+    harness.compat targets, overridden; nothing here imports vLLM)."""
+    monkeypatch.setenv("HSFORK_VLLM_VERSION", request.param)
+    return request.param
+
+
+def test_compat_parses_and_detects_versions(monkeypatch):
+    from harness import compat
+
+    assert compat.parse_version("v0.26.0") == (0, 26, 0)
+    assert compat.parse_version("0.33.0rc1.dev4+gabc") == (0, 33, 0)
+    assert compat.parse_version("0.33") == (0, 33, 0)
+    with pytest.raises(ValueError):
+        compat.parse_version("main")
+    monkeypatch.setenv("HSFORK_VLLM_VERSION", "0.33.0")
+    assert compat.vllm_version() == (0, 33, 0) and compat.version_source() == "env"
+    assert compat.at_least(0, 33) and not compat.at_least(0, 34)
+    monkeypatch.delenv("HSFORK_VLLM_VERSION")
+    # without the override: the installed vLLM's version (read, not imported)
+    found = compat._installed_version()
+    if found is not None:
+        import importlib.util
+
+        spec = importlib.util.find_spec("vllm")
+        text = Path(spec.submodule_search_locations[0], "_version.py").read_text()
+        assert f"'{found}'" in text or f'"{found}"' in text
+        assert compat.vllm_version() == compat.parse_version(found)
+
+
+def test_engine_kwargs_follow_the_line(line):
+    """mamba_cache_mode is an engine argument on v0.26.0; on v0.33.0 it is
+    deprecated without effect (prefix caching implies align), so left out."""
+    from harness.equivalence import Cell, engine_kwargs, spec_config
+
+    cell = Cell("qwen3_5", "mtp", 3, 8, "default", "align", async_sched=True)
+    kw = engine_kwargs(cell, "/m", spec_config(cell))
+    assert kw["enable_prefix_caching"] is True
+    if line == "0.26.0":
+        assert kw["mamba_cache_mode"] == "align"
+    else:
+        assert "mamba_cache_mode" not in kw
+    plain = engine_kwargs(Cell("qwen3_5", "ngram", 5, 8), "/m", None)
+    assert plain["enable_prefix_caching"] is False
+    assert "mamba_cache_mode" not in plain
+
+
+def test_runner_selection(monkeypatch, line):
+    from harness import compat
+    from harness.equivalence import RUNNER_ENV, set_runner
+
+    monkeypatch.setenv(RUNNER_ENV, "1")
+    set_runner("v1")
+    assert os.environ[RUNNER_ENV] == "0"
+    set_runner("mrv2")
+    assert os.environ[RUNNER_ENV] == "1"
+    set_runner("default")
+    assert RUNNER_ENV not in os.environ
+    with pytest.raises(ValueError):
+        set_runner("v3")
+    assert compat.default_runner() == ("v1" if line == "0.26.0" else "mrv2")
+    assert compat.mrv2_ngram() == (line != "0.26.0")
+    module, cls = compat.mrv2_ar_speculator()
+    if line == "0.26.0":
+        assert (module.split(".")[-2], cls) == (
+            "autoregressive", "AutoRegressiveSpeculator",
+        )  # fmt: skip
+    else:
+        assert (module.split(".")[-2], cls) == (
+            "target_dependent_ar", "TargetDependentARSpeculator",
+        )  # fmt: skip
+
+
+def test_ngram_gpu_spec_config():
+    from harness.equivalence import Cell, spec_config
+
+    assert spec_config(Cell("fastapply", "ngram_gpu", 64, 8)) == {
+        "method": "ngram_gpu",
+        "num_speculative_tokens": 64,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 10,
+    }
+
+
+def test_budget_probe_slice(line):
+    from harness.equivalence import (
+        BUDGET_PARTS,
+        FASTAPPLY,
+        engine_kwargs,
+        slice_cells,
+        spec_config,
+    )
+
+    cells = slice_cells("budget-probe")
+    parts = [c for p in BUDGET_PARTS for c in slice_cells(f"budget-probe-{p}")]
+    assert cells == parts and len(cells) == 26
+    assert {c.model for c in cells} == {FASTAPPLY}
+    assert all(c.chunked and c.max_tokens == 128 for c in cells)
+    assert {c.drafter for c in cells} == {"ngram", "ngram_gpu", "mtp"}
+    assert all(40 <= c.batch <= 128 for c in cells)
+    # every key is distinct: the budget is part of it
+    assert len({json.dumps(c.key(), sort_keys=True) for c in cells}) == len(cells)
+    seen = set()
+    for c in cells:
+        kw = engine_kwargs(c, "/fa", spec_config(c))
+        seen.add((c.drafter, kw["max_num_batched_tokens"], kw["max_num_seqs"],
+                  kw["enable_prefix_caching"]))  # fmt: skip
+        assert kw["enable_chunked_prefill"] is True
+        spec = kw["speculative_config"]
+        if c.drafter.startswith("ngram"):
+            assert (spec["num_speculative_tokens"], spec["prompt_lookup_min"],
+                    spec["prompt_lookup_max"]) == (64, 2, 10)  # fmt: skip
+        else:
+            assert spec == {"method": "mtp", "num_speculative_tokens": 3}
+            assert c.runner == "default" and c.cache_mode == "align"
+        if c.drafter == "ngram_gpu":
+            assert c.async_sched
+    for d in ("ngram", "ngram_gpu"):
+        assert {s[1:] for s in seen if s[0] == d} == {
+            (b, s, pc) for b in (96, 128) for s in (4, 8) for pc in (False, True)
+        }
+    assert {s[1:3] for s in seen if s[0] == "mtp"} == {
+        (b, s) for b in (96, 128) for s in (4, 8)
+    }
+    assert any(c.drafter == "mtp" and c.async_sched for c in cells)
+    assert any(c.drafter == "mtp" and not c.async_sched for c in cells)
+    with pytest.raises(ValueError):
+        slice_cells("budget-probe-eagle")
+
+
+def test_smoke033_slice_covers_the_moved_apis():
+    from harness.equivalence import slice_cells
+
+    cells = slice_cells("smoke033")
+    assert 4 <= len(cells) <= 6
+    assert {c.runner for c in cells} == {"v1", "mrv2", "default"}
+    assert any(c.drafter.startswith("scripted:") and c.runner == "mrv2" for c in cells)
+    assert any(c.drafter.startswith("scripted:") and c.runner == "v1" for c in cells)
+    assert any(c.cache_mode == "align" for c in cells)
+    assert any(c.drafter == "ngram_gpu" and c.async_sched for c in cells)
+
+
+def test_dry_run_prints_cells_without_vllm(line, capsys):
+    import subprocess
+    import sys
+
+    from harness.equivalence import main
+
+    main(["--slice", "budget-probe-mtp", "--dry-run"])
+    lines = capsys.readouterr().out.splitlines()
+    head = json.loads(lines[0])
+    assert head == {"slice": "budget-probe-mtp", "cells": 6, "vllm": line,
+                    "from": "env"}  # fmt: skip
+    items = [json.loads(x) for x in lines[1:]]
+    assert len(items) == 6
+    for item in items:
+        assert item["VLLM_USE_V2_MODEL_RUNNER"] is None  # the default runner
+        kw = item["engine_kwargs"]
+        assert kw["speculative_config"]["method"] == "mtp"
+        assert ("mamba_cache_mode" in kw) == (line == "0.26.0")
+    # a fresh interpreter: --help and a dry run never import vLLM
+    code = (
+        "import sys; from harness.equivalence import main; "
+        "main(['--slice', 'smoke033', '--dry-run']); "
+        "assert 'vllm' not in sys.modules, 'vllm imported'"
+    )
+    repo = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (repo, env.get("PYTHONPATH", "")) if p
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(proc.stdout.splitlines()) == 1 + 5

@@ -229,6 +229,10 @@ def vllm_results(tmp_path_factory):
         PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
         HSFORK_CPU_TESTBED="0",
         CUDA_VISIBLE_DEVICES="",
+        # v0.33.0's Kimi-Linear (vllm/models/kimi_k3) imports the CuTe DSL
+        # GEMM-AR kernel at construction unless this is off (cutlass is not
+        # installed on the CPU test bed; unknown to v0.26.0)
+        VLLM_KIMI_K3_GEMM_AR="0",
         VLLM_LOGGING_LEVEL="ERROR",
     )
     proc = subprocess.run(
@@ -307,6 +311,8 @@ def _check(path: str, arch: str, dtype: str, init) -> dict:
     )
     from vllm.model_executor.models.registry import ModelRegistry
 
+    from harness.compat import mtp_needs_spec_config
+
     spec = None
     if arch == EAGLE3:
         # "target<pathsep>head": the head is built under the target's config
@@ -314,6 +320,14 @@ def _check(path: str, arch: str, dtype: str, init) -> dict:
     mc = ModelConfig(
         model=path, dtype=dtype, skip_tokenizer_init=True, enforce_eager=True
     )
+    if arch.endswith(("MTP", "MTPModel")) and mtp_needs_spec_config():
+        # v0.33.0: MTP classes read the drafter's quantization config
+        spec = SpeculativeConfig(
+            method="mtp",
+            num_speculative_tokens=1,
+            target_model_config=mc,
+            target_parallel_config=ParallelConfig(),
+        )
     if arch == EAGLE3:
         spec = SpeculativeConfig(
             method="eagle3",

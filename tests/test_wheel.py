@@ -11,36 +11,43 @@ import pytest
 from conftest import REPO, git
 
 from hsfork import fork as hf
-from hsfork.common import load_pin
+from hsfork.common import fork_dir, load_pin, patches_dir
 from hsfork.fetch import fetch_file
 from hsfork.wheelcheck import check_wheel
 
 
-@pytest.fixture(scope="session")
-def fork_wheel() -> Path:
-    """dist/'s wheel for the current patch stack, built if missing."""
-    pin = load_pin(REPO / "upstream.toml")
-    version = hf.fork_version(pin, REPO / "patches")
+@pytest.fixture(scope="session", params=["stable", "current"])
+def line_wheel(request) -> tuple[str, Path]:
+    """dist/'s wheel for a line's current patch stack, built if missing."""
+    line = request.param
+    pin = load_pin(REPO / "upstream.toml", line=line)
+    version = hf.fork_version(pin, patches_dir(pin))
     wheels = sorted((REPO / "dist").glob(f"vllm-{version}-*.whl"))
     if wheels:
-        return wheels[-1]
+        return line, wheels[-1]
     from hsfork.wheel import build_wheel
 
-    return build_wheel(python=sys.executable)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HSFORK_BASE", line)
+    try:
+        return line, build_wheel(python=sys.executable)
+    finally:
+        mp.undo()
 
 
-def test_fork_wheel_matches_upstream(fork_wheel):
-    pin = load_pin(REPO / "upstream.toml")
-    version = hf.fork_version(pin, REPO / "patches")
+def test_fork_wheel_matches_upstream(line_wheel):
+    line, fork_wheel = line_wheel
+    pin = load_pin(REPO / "upstream.toml", line=line)
+    version = hf.fork_version(pin, patches_dir(pin))
     assert fork_wheel.name == f"vllm-{version}-cp38-abi3-linux_x86_64.whl"
     upstream = fetch_file(pin, pin.file("wheel"), REPO / ".cache" / "upstream")
-    problems = check_wheel(fork_wheel, upstream, REPO / "fork", pin.tag, version)
+    problems = check_wheel(fork_wheel, upstream, fork_dir(pin), pin.tag, version)
     assert problems == []
     with zipfile.ZipFile(fork_wheel) as z:
         sos = [n for n in z.namelist() if n.endswith(".so")]
         meta = z.read(f"vllm-{version}.dist-info/METADATA").decode()
     assert "vllm/_C_stable_libtorch.abi3.so" in sos
-    assert "Requires-Dist: torch==2.11.0" in meta.splitlines()
+    assert f"Requires-Dist: torch=={pin.torch}" in meta.splitlines()
 
 
 # --- the checker itself, on synthetic wheels --------------------------------

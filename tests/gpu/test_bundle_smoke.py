@@ -4,13 +4,9 @@ extensions load on CUDA, and it carries this repo's patch stack."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 pytestmark = pytest.mark.gpu
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_fork_imports_with_our_label():
@@ -19,7 +15,7 @@ def test_fork_imports_with_our_label():
 
     from hsfork.fork import fork_version
 
-    assert vllm.__version__ == fork_version(pdir=REPO / "patches")
+    assert vllm.__version__ == fork_version()
 
 
 def test_compiled_ops_run_on_cuda():
