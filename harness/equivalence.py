@@ -28,9 +28,10 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import compat
+from . import compat, oracle, sampled
 from .compare import TIE_MARGIN, CellSummary, Position, noise, verify
 from .drafter import LOG_ENV, SCRIPT_ENV
+from .fastapply_task import make_eval_set
 from .models import FIRST_SPECIAL_ID, VOCAB
 
 # the trained fast-apply fixture (``harness.fastapply``; its MTP head is
@@ -118,8 +119,6 @@ def cell_prompts(model: str, n: int, seed: int) -> list[list[int]]:
     """The prompts of a cell: the fast-apply task's held-out examples for the
     trained fixture, ``make_prompts`` for the random-weight fixtures."""
     if model == FASTAPPLY:
-        from .fastapply import make_eval_set
-
         return [list(p) for p, _ in make_eval_set(n, seed)]
     return make_prompts(n, seed)
 

@@ -334,3 +334,27 @@ def test_summary_table_lists_every_run():
     assert "| fork | v1 | False | none | 0 | 1 | 1.000 | 1.000 | True |" in lines[2]
     assert lines[3].endswith("| 0.250 | 0.500 | False | 10 | 0.100 |")
     assert "| error |" in lines[4]
+
+
+def test_task_module_is_pure_and_re_exported():
+    """The task generator lives in ``harness.fastapply_task`` (no torch, no
+    vLLM, no equivalence matrix); ``harness.fastapply`` re-exports it."""
+    import subprocess
+    import sys
+
+    from harness import fastapply_task as task
+
+    for name in ("make_eval_set", "make_example", "Difficulty", "FULL", "detok",
+                 "ngram_draft", "simulate_ngram", "simulate_set", "ngram_spec",
+                 "difficulty", "sample_difficulty", "_Region", "_code"):  # fmt: skip
+        assert getattr(fa, name) is getattr(task, name), name
+    assert fa.make_eval_set(2, 5) == task.make_eval_set(2, 5)
+    code = (
+        "import sys, harness.fastapply_task as t; t.make_eval_set(2, 0); "
+        "bad = {'torch', 'vllm', 'transformers', 'harness.equivalence', "
+        "'harness.fastapply'} & set(sys.modules); assert not bad, bad"
+    )
+    repo = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]

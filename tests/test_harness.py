@@ -659,3 +659,105 @@ def test_dry_run_prints_cells_without_vllm(line, capsys):
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(proc.stdout.splitlines()) == 1 + 5
+
+
+# ---------------------------------------------------------------------------
+# module structure: no import circle, one entry point
+
+HARNESS = Path(__file__).resolve().parent.parent / "harness"
+
+
+def _harness_imports(path: Path) -> set[str]:
+    """The harness modules ``path`` imports, at module level or inside a
+    function (``from .x import``, ``from . import x``, ``harness.x``)."""
+    import ast
+
+    mods = {p.stem for p in HARNESS.glob("*.py")}
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1 and node.module:
+                names = [node.module.split(".")[0]]
+            elif node.level == 1:
+                names = [a.name for a in node.names]
+            elif node.module and node.module.startswith("harness."):
+                names = [node.module.split(".")[1]]
+            elif node.module == "harness":
+                names = [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name.split(".")[1] for a in node.names
+                     if a.name.startswith("harness.")]  # fmt: skip
+        found |= {n for n in names if n in mods and n != path.stem}
+    return found
+
+
+def test_harness_modules_import_no_circle():
+    graph = {p.stem: _harness_imports(p) for p in HARNESS.glob("*.py")}
+    # the fast-apply task generator needs neither the matrix nor training
+    assert graph["fastapply_task"] <= {"models"}
+    assert "fastapply" not in graph["equivalence"]
+
+    def cycle_from(start, node, path):
+        for dep in sorted(graph[node]):
+            if dep == start:
+                return [*path, dep]
+            if dep not in path:
+                found = cycle_from(start, dep, [*path, dep])
+                if found:
+                    return found
+        return None
+
+    for mod in sorted(graph):
+        cycle = cycle_from(mod, mod, [mod])
+        assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def _run_python(*args: str):
+    import subprocess
+    import sys
+
+    repo = str(HARNESS.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (repo, env.get("PYTHONPATH", "")) if p
+    )
+    return subprocess.run([sys.executable, *args], env=env, cwd=repo,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+def test_python_m_harness_help_lists_the_jobs():
+    from harness.__main__ import JOBS
+
+    proc = _run_python("-m", "harness", "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for job in ("equivalence", "full-matrix", "summarize", "fastapply-train",
+                "fastapply-eval"):  # fmt: skip
+        assert f"\n  {job} " in proc.stdout
+    assert set(JOBS) <= set(proc.stdout.split())
+    bad = _run_python("-m", "harness", "no-such-job")
+    assert bad.returncode == 2 and "unknown job" in bad.stderr
+
+
+def test_python_m_harness_dispatches_to_the_module_cli(capsys):
+    from harness.__main__ import main
+    from harness.full_matrix import RUNS
+
+    assert main(["full-matrix", "slices", "1"]) == 0
+    assert capsys.readouterr().out.split() == list(RUNS[1])
+    with pytest.raises(SystemExit) as e:
+        main(["summarize", "--help"])
+    assert e.value.code == 0
+    assert "python -m harness.full_matrix summarize" in capsys.readouterr().out
+
+
+def test_equivalence_imports_the_task_without_the_fastapply_module():
+    code = (
+        "import sys, harness.equivalence as eq; "
+        "assert 'harness.fastapply' not in sys.modules, 'fastapply imported'; "
+        "assert 'harness.fastapply_task' in sys.modules; "
+        "print(len(eq.cell_prompts('fastapply', 2, 0)))"
+    )
+    proc = _run_python("-c", code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "2"
