@@ -22,7 +22,9 @@
 # concurrency; 1: something missing; 2: setup error; 124: watchdog).
 #
 # Environment:
-#   BENCH_BUDGET   seconds for the whole call (default 560)
+#   BENCH_BUDGET   seconds for the whole call (default 560); 0: no budget
+#                  (dry runs: every step waits for its condition, nothing is
+#                  skipped for lack of time)
 #   BENCH_SPECS    specs (presets of serving/serve_check.py), e.g. none,mtp
 #   BENCH_CONC     concurrency list, e.g. 1,8,32
 #   BENCH_ARGS     extra serve_bench run arguments (e.g. --prompts-mult 8)
@@ -31,6 +33,8 @@
 #   BENCH_ENGINE   extra vllm serve flags for every server
 #   BENCH_EAGER=1  --enforce-eager (faster start, no CUDA graphs)
 #   BENCH_KV_BYTES --kv-cache-memory-bytes per server
+#   BENCH_MODEL_DIR where qwen9b writes its checkpoint (default /dev/shm or
+#                  /tmp; removed at the end)
 #   dry runs on a CPU host (tests): BENCH_BUNDLE_ENV=none, BENCH_VLLM_CMD
 #   (e.g. "python -m serving.fake_server", both variants), BENCH_DEVICE=cpu
 #   (model writing and bandwidth), BENCH_TINY=1, BENCH_BANDWIDTH_GIB
@@ -46,6 +50,13 @@ WORK=${BENCH_WORK:-/tmp/serve-bench-work}
 BUDGET=${BENCH_BUDGET:-560}
 T0=$SECONDS
 left() { echo $((BUDGET - (SECONDS - T0))); }
+# serve_bench's --deadline, keeping $1 s back (at least 1); 0 (none) without
+# a budget
+deadline() {
+  ((BUDGET > 0)) || { echo 0; return; }
+  local d=$(($(left) - $1))
+  echo $((d < 1 ? 1 : d))
+}
 mkdir -p "$OUT" "$WORK"
 rm -rf "${WORK:?}/$SUITE"
 # shellcheck disable=SC1091
@@ -100,20 +111,25 @@ fastapply)
     --max-model-len 2048 --gpu-mem 0.1 --kv-bytes "${BENCH_KV_BYTES:-4e9}" \
     --engine-args "$ENGINE --tokenizer $MODEL/tokenizer --attention-backend TRITON_ATTN" \
     --server-estimate 110 --python "$PY" "${VARIANTS[@]}" "${META[@]}" "${CLI[@]}" \
-    --deadline $(($(left) - 25)) ${BENCH_ARGS:-} 2>&1 | tee "$WORK/$SUITE.log" | tail -60
+    --deadline "$(deadline 25)" ${BENCH_ARGS:-} 2>&1 | tee "$WORK/$SUITE.log" | tail -60
   rc=${PIPESTATUS[0]}
   ;;
 qwen9b)
-  MODEL=/tmp/serve-bench-qwen9b
-  if [[ -d /dev/shm ]] && (($(df -Pk /dev/shm | awk 'NR==2 {print $4}') > 26000000)); then
+  MODEL=${BENCH_MODEL_DIR:-/tmp/serve-bench-qwen9b}
+  if [[ -z ${BENCH_MODEL_DIR:-} && -d /dev/shm ]] &&
+    (($(df -Pk /dev/shm | awk 'NR==2 {print $4}') > 26000000)); then
     MODEL=/dev/shm/serve-bench-qwen9b
   fi
   rm -rf "$MODEL"
   TINY=()
   [[ ${BENCH_TINY:-0} == 1 ]] && TINY=(--tiny)
-  MT=$(($(left) - 300))
-  ((MT < 60)) && MT=60
-  timeout "$MT" "$PY" -m serving.make_model qwen9b "$MODEL" --device "$DEV" "${TINY[@]}" \
+  LIMIT=()
+  if ((BUDGET > 0)); then
+    MT=$(($(left) - 300))
+    ((MT < 60)) && MT=60
+    LIMIT=(timeout "$MT")
+  fi
+  "${LIMIT[@]}" "$PY" -m serving.make_model qwen9b "$MODEL" --device "$DEV" "${TINY[@]}" \
     >"$WORK/make_model.log" 2>&1 || { tail -20 "$WORK/make_model.log"; rm -rf "$MODEL"; exit 1; }
   echo "[gpu_serve_bench] model written after $((SECONDS - T0)) s: $(du -sh "$MODEL" | cut -f1)"
   # shellcheck disable=SC2086
@@ -126,7 +142,7 @@ qwen9b)
     --server-estimate 170 --python "$PY" "${VARIANTS[@]}" "${META[@]}" "${CLI[@]}" \
     --weights --bandwidth --bandwidth-device "$DEV" \
     --bandwidth-gib "${BENCH_BANDWIDTH_GIB:-4}" \
-    --deadline $(($(left) - 25)) ${BENCH_ARGS:-} 2>&1 | tee "$WORK/$SUITE.log" | tail -60
+    --deadline "$(deadline 25)" ${BENCH_ARGS:-} 2>&1 | tee "$WORK/$SUITE.log" | tail -60
   rc=${PIPESTATUS[0]}
   cp "$MODEL/serving_model.json" "$WORK/$SUITE/" 2>/dev/null
   rm -rf "$MODEL"

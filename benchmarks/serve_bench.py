@@ -35,7 +35,9 @@ Time: ``--deadline`` seconds for everything. A pair starts only if twice
 the longest server seen so far (``--server-estimate`` before any) fits; a
 server that is not healthy in time is given up; the client skips a
 concurrency that would end past the deadline; a watchdog stops everything
-20 s after it. Outputs, written as they come: ``OUT/runs/*.json`` (vLLM's
+20 s after it. ``--deadline 0``: no deadline, no skips, no watchdog; every
+step waits for its condition (dry runs on a busy CPU host). Outputs,
+written as they come: ``OUT/runs/*.json`` (vLLM's
 saved results, with ``suite``, ``spec``, ``variant`` as metadata),
 ``OUT/logs/`` (server and client logs), ``OUT/meta.json`` (servers,
 timings, skips, exact match, bandwidth, weight bytes) and the summary
@@ -399,6 +401,7 @@ def client_main(argv: list[str]) -> int:
     )
     a = ap.parse_args(argv)
     spec = json.loads(Path(a.runs).read_text())
+    # deadline: a time.time(); 0 or absent: none
     runs, deadline = spec["runs"], float(spec.get("deadline") or 0)
     bench_cli = spec.get("bench_cli")
     status_path = spec.get("status")
@@ -438,7 +441,7 @@ def client_main(argv: list[str]) -> int:
             if bench_cli:
                 p = subprocess.run(
                     shlex.split(bench_cli) + r["argv"],
-                    timeout=max(1.0, left),
+                    timeout=None if math.isinf(left) else max(1.0, left),
                     stdin=subprocess.DEVNULL,
                 )
                 if p.returncode:
@@ -473,6 +476,12 @@ def plan(specs: list[str], variants: list[str]) -> list[list[tuple[str, str]]]:
         order = variants[k:] + variants[:k]
         out.append([(spec, v) for v in order])
     return out
+
+
+def _left(deadline: float) -> float | None:
+    """Seconds to a ``time.time()`` deadline (at least 1), None (no limit)
+    without one (``math.inf``)."""
+    return None if math.isinf(deadline) else max(1.0, deadline - time.time())
 
 
 def _group_gone(pid: int, wait: float) -> bool:
@@ -525,7 +534,12 @@ def parse_run_args(argv):
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/serve-bench")
-    ap.add_argument("--deadline", type=float, default=520.0)
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=520.0,
+        help="seconds for everything (0: no deadline, no watchdog)",
+    )
     ap.add_argument(
         "--server-estimate",
         type=float,
@@ -590,7 +604,8 @@ def run_main(argv: list[str]) -> int:
     except (BenchError, sc.CheckError) as e:
         print(f"serve_bench: error: {e}", file=sys.stderr)
         return 2
-    deadline = t_start + a.deadline
+    # a time.time(); math.inf without a deadline
+    deadline = t_start + a.deadline if a.deadline > 0 else math.inf
     out = Path(a.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -646,9 +661,11 @@ def run_main(argv: list[str]) -> int:
             report()
         os._exit(124)
 
-    dog = threading.Timer(max(1.0, deadline + 20 - time.time()), fire)
-    dog.daemon = True
-    dog.start()
+    dog = None
+    if not math.isinf(deadline):
+        dog = threading.Timer(max(1.0, deadline + 20 - time.time()), fire)
+        dog.daemon = True
+        dog.start()
 
     def on_signal(signum, frame):
         _kill_group(state["client"], 2)
@@ -684,7 +701,11 @@ def run_main(argv: list[str]) -> int:
             ]
             with open(bw_log, "w") as fh:
                 p = subprocess.run(
-                    cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=120, cwd=REPO
+                    cmd,
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    timeout=_left(deadline),
+                    cwd=REPO,
                 )
             if p.returncode == 0:
                 meta["bandwidth"] = json.loads((out / "bandwidth.json").read_text())
@@ -737,7 +758,8 @@ def run_main(argv: list[str]) -> int:
         _kill_group(state["client"], 2)
         if state["srv"] is not None:
             sc.stop([state["srv"]], grace=10)
-        dog.cancel()
+        if dog is not None:
+            dog.cancel()
         for sig, h in old_handlers.items():
             signal.signal(sig, h)
         report()
@@ -851,7 +873,7 @@ def one_server(a, sc, cmd, spec, variant, out, deadline, dataset_path, state, lo
             json.dumps(
                 {
                     "runs": runs,
-                    "deadline": deadline - 10,
+                    "deadline": 0 if math.isinf(deadline) else deadline - 10,
                     "bench_cli": a.bench_cli,
                     "status": str(status_file),
                 },
@@ -871,7 +893,7 @@ def one_server(a, sc, cmd, spec, variant, out, deadline, dataset_path, state, lo
             )
             state["client"] = proc
             try:
-                proc.wait(timeout=max(1.0, deadline - 5 - time.time()))
+                proc.wait(timeout=_left(deadline - 5))
             except subprocess.TimeoutExpired:
                 log(f"{name}: client past the deadline, stopped")
                 _kill_group(proc, 2)

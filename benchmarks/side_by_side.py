@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -36,9 +37,8 @@ import sys
 import time
 from pathlib import Path
 
-from hsfork.common import patches_dir
-
 from benchmarks.decode_latency import MODES
+from hsfork.common import patches_dir
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = ("fork", "upstream")
@@ -83,7 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--deadline",
         type=float,
         default=540.0,
-        help="seconds for the whole call: no pair starts that cannot end by then",
+        help="seconds for the whole call: no pair starts that cannot end by "
+        "then (0: no deadline; every process runs to its end)",
     )
     ap.add_argument("--out", default=os.environ.get("OUT") or "out")
     ap.add_argument("--run", default="decode-latency", help="report name")
@@ -271,7 +272,8 @@ def _tail(path: Path, n: int = 40) -> str:
 def run_child(
     cmd: list[str], env: dict, log: Path, timeout: float
 ) -> tuple[int, float]:
-    """Run ``cmd`` in its own process group; kill that group on timeout."""
+    """Run ``cmd`` in its own process group; kill that group on timeout
+    (``math.inf``: none)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with open(log, "w") as fh:
@@ -280,7 +282,7 @@ def run_child(
             start_new_session=True,
         )  # fmt: skip
         try:
-            rc = proc.wait(timeout=max(timeout, 1.0))
+            rc = proc.wait(timeout=None if math.isinf(timeout) else max(timeout, 1.0))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -328,7 +330,7 @@ def report(out: Path, run: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     t0 = time.time()
-    deadline = t0 + a.deadline
+    deadline = t0 + a.deadline if a.deadline > 0 else math.inf
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -372,7 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         for i, v in enumerate(order):
             left = deadline - time.time()
             reserve = est * (len(order) - 1 - i)  # for the partners still to run
-            proc_deadline = max(left - reserve - 10.0, 30.0)
+            # decode_latency's --deadline; 0: none
+            proc_deadline = (
+                0.0 if math.isinf(left) else max(left - reserve - 10.0, 30.0)
+            )
             name = f"{mode}-{v}-r{r}"
             path = out / f"{name}.json"
             cmd = [

@@ -24,12 +24,15 @@
 #
 # Environment:
 #   SERVE_BUDGET   seconds for the whole step (default 560): everything,
-#                  servers included, is stopped by then
+#                  servers included, is stopped by then; 0: no budget (dry
+#                  runs: every step waits for its condition)
 #   SERVERS        the servers, "NAME=SPEC ..." (first = reference)
 #   SERVE_ARGS     extra serve_check arguments
 #   SERVE_ENGINE   extra vllm serve flags for every server
 #   SERVE_KV_BYTES --kv-cache-memory-bytes per server
 #   SERVE_EAGER=1  --enforce-eager (faster start, no CUDA graphs)
+#   SERVE_MODEL_DIR where qwen9b writes its checkpoint (default /dev/shm or
+#                  /tmp; removed at the end)
 #   dry runs on a CPU host (tests): SERVE_BUNDLE_ENV=none, SERVE_VLLM_CMD
 #   (e.g. "python -m serving.fake_server"), SERVE_DEVICE=cpu, SERVE_TINY=1
 set -u
@@ -46,6 +49,13 @@ WORK=${SERVE_WORK:-/tmp/serve-work}
 BUDGET=${SERVE_BUDGET:-560}
 T0=$SECONDS
 left() { echo $((BUDGET - (SECONDS - T0))); }
+# serve_check's --deadline, keeping $1 s back (at least 1); 0 (none) without
+# a budget
+deadline() {
+  ((BUDGET > 0)) || { echo 0; return; }
+  local d=$(($(left) - $1))
+  echo $((d < 1 ? 1 : d))
+}
 mkdir -p "$OUT"
 rm -rf "${WORK:?}/$STEP"
 mkdir -p "$WORK"
@@ -121,15 +131,16 @@ fastapply)
     --prompts fastapply --n 64 --concurrency 64 --max-tokens 128 \
     --max-model-len 2048 --gpu-mem 0.08 --kv-bytes "${SERVE_KV_BYTES:-2e9}" \
     --engine-args "$ENGINE --tokenizer $MODEL/tokenizer --attention-backend TRITON_ATTN" \
-    "${SRV[@]}" "${VCMD[@]}" "${LM[@]}" --deadline $(($(left) - 30)) \
+    "${SRV[@]}" "${VCMD[@]}" "${LM[@]}" --deadline "$(deadline 30)" \
     ${SERVE_ARGS:-} 2>&1 | tee "$WORK/fastapply.log" | grep -v '^\[serve_check\] lm-eval' | tail -40
   rc=${PIPESTATUS[0]}
   mkdir -p "$WORK/fastapply" && cp "$WORK/fastapply.log" "$WORK/fastapply/"
   pack fastapply
   ;;
 qwen9b)
-  MODEL=/tmp/serve-qwen9b
-  if [[ -d /dev/shm ]] && (($(df -Pk /dev/shm | awk 'NR==2 {print $4}') > 26000000)); then
+  MODEL=${SERVE_MODEL_DIR:-/tmp/serve-qwen9b}
+  if [[ -z ${SERVE_MODEL_DIR:-} && -d /dev/shm ]] &&
+    (($(df -Pk /dev/shm | awk 'NR==2 {print $4}') > 26000000)); then
     MODEL=/dev/shm/serve-qwen9b
   fi
   rm -rf "$MODEL"
@@ -137,9 +148,13 @@ qwen9b)
   host_info "$WORK/qwen9b/host.txt"
   TINY=()
   [[ ${SERVE_TINY:-0} == 1 ]] && TINY=(--tiny)
-  MT=$(($(left) - 200))
-  ((MT < 60)) && MT=60
-  timeout "$MT" "$PY" -m serving.make_model qwen9b "$MODEL" \
+  LIMIT=()
+  if ((BUDGET > 0)); then
+    MT=$(($(left) - 200))
+    ((MT < 60)) && MT=60
+    LIMIT=(timeout "$MT")
+  fi
+  "${LIMIT[@]}" "$PY" -m serving.make_model qwen9b "$MODEL" \
     --device "${SERVE_DEVICE:-cuda}" "${TINY[@]}" || { rm -rf "$MODEL"; exit 1; }
   echo "[gpu_serve] model written after $((SECONDS - T0)) s: $(du -sh "$MODEL" | cut -f1)"
   mapfile -t SRV < <(servers_args "${SERVERS:-ref=none ngram=ngram8 mtp=mtp}")
@@ -148,7 +163,7 @@ qwen9b)
     --prompts text --n 64 --concurrency 64 --max-tokens 128 \
     --max-model-len 4096 --gpu-mem 0.1 --kv-bytes "${SERVE_KV_BYTES:-5e9}" \
     --engine-args "$ENGINE --attention-backend ${SERVE_ATTN:-FLASH_ATTN}" \
-    --client-budget 100 "${SRV[@]}" "${VCMD[@]}" --deadline $(($(left) - 30)) \
+    --client-budget 100 "${SRV[@]}" "${VCMD[@]}" --deadline "$(deadline 30)" \
     ${SERVE_ARGS:-} 2>&1 | tee "$WORK/qwen9b.log" | tail -40
   rc=${PIPESTATUS[0]}
   cp "$MODEL/serving_model.json" "$WORK/qwen9b/" 2>/dev/null

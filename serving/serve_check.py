@@ -5,7 +5,9 @@ reference, over the OpenAI-compatible API, in one bounded call.
         --server ref=none --server ngram=ngram --server mtp=mtp --deadline 540
 
 What it does, in order, within ``--deadline`` seconds (a watchdog kills
-everything it started and exits at the deadline plus a grace):
+everything it started and exits at the deadline plus a grace; ``--deadline
+0``: no deadline, each step waits for its condition, as dry runs on a busy
+CPU host want):
 
 1. launches one ``vllm serve DIR`` per ``--server NAME=SPEC`` (the first is
    the reference; SPEC is ``none``, a preset of ``PRESETS`` or a JSON
@@ -56,6 +58,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -104,6 +107,14 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 class CheckError(RuntimeError):
     """A usage or setup error, printed without a traceback."""
+
+
+def time_left(deadline: float, floor: float = 1.0) -> float | None:
+    """Seconds to a ``time.monotonic()`` deadline (at least ``floor``), or
+    None (wait without a limit) when there is no deadline (``math.inf``)."""
+    if math.isinf(deadline):
+        return None
+    return max(floor, deadline - time.monotonic())
 
 
 def parse_spec(text: str) -> dict | None:
@@ -337,8 +348,11 @@ def absorb(res: dict, obj: dict, chat: bool) -> None:
             res["finish_reason"] = ch["finish_reason"]
 
 
-async def send(session, url: str, req: Request, body: dict, timeout: float) -> dict:
-    """One request; the result dict (``error`` set on failure)."""
+async def send(
+    session, url: str, req: Request, body: dict, timeout: float | None
+) -> dict:
+    """One request; the result dict (``error`` set on failure). ``timeout``
+    None: no limit."""
     import aiohttp
 
     res = new_result()
@@ -395,9 +409,12 @@ async def run_requests(servers, reqs, model, concurrency, logprobs_for, deadline
 
             async def one(req):
                 async with sem:
-                    left = max(1.0, deadline - time.monotonic())
                     return await send(
-                        session, srv.url, req, payload(req, model, lp), left
+                        session,
+                        srv.url,
+                        req,
+                        payload(req, model, lp),
+                        time_left(deadline),
                     )
 
             out = await asyncio.gather(*(one(r) for r in reqs))
@@ -479,10 +496,10 @@ async def scrape(session, url: str) -> dict | None:
         return None
 
 
-async def scrape_all(servers) -> dict:
+async def scrape_all(servers, timeout: float | None = 20.0) -> dict:
     import aiohttp
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
         got = await asyncio.gather(*(scrape(s, srv.url) for srv in servers))
     return {srv.name: g for srv, g in zip(servers, got, strict=True)}
 
@@ -583,12 +600,11 @@ async def rescore(url, model, rows, ref_res, cand_res, margin, deadline) -> None
             "temperature": 0.0,
             "prompt_logprobs": 1,
         }
-        left = max(1.0, deadline - time.monotonic())
         try:
             async with session.post(
                 url + "/v1/completions",
                 json=body,
-                timeout=aiohttp.ClientTimeout(total=left),
+                timeout=aiohttp.ClientTimeout(total=time_left(deadline)),
             ) as r:
                 if r.status != 200:
                     row["rescore_error"] = f"HTTP {r.status}: {(await r.text())[:300]}"
@@ -811,7 +827,8 @@ def log_facts(path: str) -> list[str]:
 
 async def wait_ready(servers, deadline: float, log=print) -> list[str]:
     """Poll ``/health`` until every server answers 200; the names of those
-    that died or were not ready by ``deadline``."""
+    that died or were not ready by ``deadline`` (``math.inf``: wait until
+    each is healthy or has exited)."""
     import aiohttp
 
     pending = {s.name: s for s in servers}
@@ -836,7 +853,7 @@ async def wait_ready(servers, deadline: float, log=print) -> list[str]:
                 except Exception:  # noqa: BLE001 - not up yet
                     pass
             if pending:
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(0.25)
     for name in pending:
         log(f"[serve_check] {name} not ready by the deadline")
         failed.append(name)
@@ -903,7 +920,7 @@ def run_lm_eval(a, servers, out: Path, deadline: float, log=print) -> dict:
     results = {}
     for tag, p, fh, d in procs:
         try:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            p.wait(timeout=time_left(deadline))
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
@@ -1102,13 +1119,14 @@ def parse_args(argv):
         "--deadline",
         type=float,
         default=540.0,
-        help="seconds for everything; the watchdog fires 20 s later",
+        help="seconds for everything; the watchdog fires 20 s later (0: no "
+        "deadline and no watchdog; every step waits for its condition)",
     )
     ap.add_argument(
         "--client-budget",
         type=float,
         default=120.0,
-        help="seconds kept for the requests after the servers are up",
+        help="seconds kept for the requests after the servers are up (with a deadline)",
     )
     ap.add_argument(
         "--vllm-cmd",
@@ -1193,7 +1211,7 @@ def main(argv: list[str] | None = None) -> int:
     except CheckError as e:
         print(f"serve_check: error: {e}", file=sys.stderr)
         return 2
-    deadline = t_start + a.deadline
+    deadline = t_start + a.deadline if a.deadline > 0 else math.inf
     out = Path(a.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
 
@@ -1216,9 +1234,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         os._exit(124)
 
-    dog = threading.Timer(max(1.0, deadline + 20 - time.monotonic()), fire)
-    dog.daemon = True
-    dog.start()
+    dog = None
+    if not math.isinf(deadline):
+        dog = threading.Timer(max(1.0, deadline + 20 - time.monotonic()), fire)
+        dog.daemon = True
+        dog.start()
 
     def on_signal(signum, frame):
         stop(servers, grace=5)
@@ -1261,7 +1281,11 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(a.stagger)
                 launch(a, s, out / "logs")
                 log(f"[serve_check] launched {s.name} on {s.url} (log {s.log})")
-        ready_by = t_start + max(a.deadline / 2, a.deadline - a.client_budget)
+        ready_by = (
+            t_start + max(a.deadline / 2, a.deadline - a.client_budget)
+            if not math.isinf(deadline)
+            else math.inf
+        )
         failed = asyncio.run(wait_ready(servers, ready_by, log))
         for name in failed:
             report["failed"][name] = log_tail(by_name[name].log, 40)
@@ -1271,7 +1295,8 @@ def main(argv: list[str] | None = None) -> int:
         live = [s for s in servers if s.name not in failed]
         if len(live) < 2:
             raise CheckError("no candidate server came up")
-        before = asyncio.run(scrape_all(live))
+        scrape_s = None if math.isinf(deadline) else 20.0
+        before = asyncio.run(scrape_all(live, scrape_s))
         logprobs_for = {
             "ref": {ref.name},
             "all": {s.name for s in live},
@@ -1286,7 +1311,7 @@ def main(argv: list[str] | None = None) -> int:
                 live, reqs, a.served_name, a.concurrency, logprobs_for, deadline - 15
             )
         )
-        after = asyncio.run(scrape_all(live))
+        after = asyncio.run(scrape_all(live, scrape_s))
         for s in live:
             res = results[s.name]
             toks = sum(len(r["token_ids"] or []) for r in res)
@@ -1364,7 +1389,8 @@ def main(argv: list[str] | None = None) -> int:
         rc = 3
     finally:
         stop(servers)
-        dog.cancel()
+        if dog is not None:
+            dog.cancel()
         for s in report["servers"]:
             s["exit_code"] = by_name[s["name"]].exit_code
         report["total_s"] = round(time.monotonic() - t_start, 1)

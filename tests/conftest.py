@@ -62,6 +62,58 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# A guard against hangs only, never a performance budget: a dry run that
+# takes minutes on an idle machine may take many times that on a busy one.
+HANG_GUARD_S = 3600.0
+
+
+def run_until_done(
+    cmd, *, what: str, timeout: float = HANG_GUARD_S, **kw
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, **kw)`` that
+    waits for the command to end; ``timeout`` only guards against a hang, and
+    its failure names ``what`` it waited for, with the output so far."""
+    try:
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, **kw
+        )
+    except subprocess.TimeoutExpired as e:
+
+        def tail(x) -> str:
+            if isinstance(x, bytes):
+                x = x.decode(errors="replace")
+            return (x or "")[-3000:]
+
+        pytest.fail(
+            f"hang guard: {what} had not ended after {timeout:.0f} s "
+            f"(command: {cmd!r})\nstdout:\n{tail(e.stdout)}\n"
+            f"stderr:\n{tail(e.stderr)}"
+        )
+
+
+def wait_until_healthy(
+    url: str, proc: subprocess.Popen, *, what: str, timeout: float = HANG_GUARD_S
+) -> None:
+    """Wait until ``url``/health answers 200 (the server is up) or ``proc``
+    exits (fail: it died); ``timeout`` only guards against a hang."""
+    import time
+    import urllib.request
+
+    end = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"{what} exited with {proc.returncode} before /health")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > end:
+            pytest.fail(f"hang guard: {what} not healthy after {timeout:.0f} s")
+        time.sleep(0.1)
+
+
 def free_port() -> int:
     """A free local port (below 64001, so that a few consecutive ones after
     it exist)."""
@@ -201,13 +253,11 @@ def parse_serve_args(tmp_path):
     def parse(cmds: list[list[str]], fields: list[str]) -> list[dict]:
         script = tmp_path / "parse_serve.py"
         script.write_text(SERVE_PARSE_SCRIPT)
-        proc = subprocess.run(
+        proc = run_until_done(
             [sys.executable, str(script), json.dumps(cmds), json.dumps(fields)],
+            what="vllm serve's parser in a subprocess",
             cwd=tmp_path,
             env=subprocess_env(HSFORK_CPU_TESTBED="1", VLLM_LOGGING_LEVEL="ERROR"),
-            capture_output=True,
-            text=True,
-            timeout=300,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -685,7 +685,7 @@ def test_side_by_side_main_with_a_fake_benchmark(tmp_path, monkeypatch, capsys):
     argv = [
         "--modes", "none,ngram_nomatch", "--out", str(out), "--run", "r",
         "--fork-site", str(site), "--upstream-site", str(tmp_path / "upstream-site"),
-        "--patches", str(patches), "--python", str(fake), "--deadline", "120",
+        "--patches", str(patches), "--python", str(fake), "--deadline", "0",
         "--engine-estimate", "5", "--", "--tokens", "64",
     ]  # fmt: skip
     assert sbs.main(argv) == 0
@@ -731,7 +731,7 @@ def test_side_by_side_stops_on_a_wrong_install(tmp_path, monkeypatch):
     argv = [
         "--modes", "none", "--out", str(tmp_path / "out"), "--fork-site", str(site),
         "--upstream-site", str(tmp_path / "upstream-site"), "--patches", str(patches),
-        "--python", str(fake), "--deadline", "60", "--engine-estimate", "1",
+        "--python", str(fake), "--deadline", "0", "--engine-estimate", "1",
     ]  # fmt: skip
     assert sbs.main(argv) == 2
 
@@ -1003,7 +1003,7 @@ def test_side_by_side_skips_the_partner_of_a_failed_process(tmp_path, monkeypatc
     argv = [
         "--modes", "none", "--out", str(out), "--fork-site", str(site),
         "--upstream-site", str(tmp_path / "upstream-site"), "--patches", str(patches),
-        "--python", str(fake), "--deadline", "60", "--engine-estimate", "1",
+        "--python", str(fake), "--deadline", "0", "--engine-estimate", "1",
     ]  # fmt: skip
     assert sbs.main(argv) == 1
     assert [p.name for p in (out / "logs").iterdir()] == ["none-fork-r0.log"]

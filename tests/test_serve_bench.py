@@ -14,13 +14,12 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 import pytest
-from conftest import free_port, subprocess_env
+from conftest import free_port, run_until_done, subprocess_env
 
 from benchmarks import serve_bench as sb
 from serving import make_model as mm
@@ -158,13 +157,11 @@ def test_bench_serve_command_lines_parse_with_the_forks_parser(tmp_path):
     runs.write_text(
         json.dumps({"runs": [{"name": "fa", "argv": fa}, {"name": "q9", "argv": q9}]})
     )
-    proc = subprocess.run(
+    proc = run_until_done(
         [PY, "-m", "benchmarks.serve_bench", "client", str(runs), "--parse-only"],
+        what="serve_bench client --parse-only",
         cwd=REPO,
         env=subprocess_env(HSFORK_CPU_TESTBED="1", VLLM_LOGGING_LEVEL="ERROR"),
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got_fa, got_q9 = _result_lines(proc.stdout)
@@ -490,7 +487,7 @@ def test_gpu_serve_bench_dry_run_fastapply(tmp_path):
         BENCH_WORK=str(tmp_path / "work"),
         BENCH_SPECS="none,ngram",
         BENCH_CONC="1,4",
-        BENCH_BUDGET="200",
+        BENCH_BUDGET="0",  # no budget: the dry run waits for each step
         BENCH_ARGS=f"--port {free_port()} --cache-root {tmp_path}/cache "
         "--server-estimate 10",
         HSFORK_CPU_TESTBED="1",
@@ -498,13 +495,11 @@ def test_gpu_serve_bench_dry_run_fastapply(tmp_path):
     )
     if shim:
         env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + shim
-    proc = subprocess.run(
+    proc = run_until_done(
         ["bash", str(REPO / "benchmarks" / "gpu_serve_bench.sh"), "fastapply"],
+        what="gpu_serve_bench.sh fastapply (dry run)",
         cwd=REPO,
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["fastapply.md", "fastapply.tgz"]
@@ -548,20 +543,19 @@ def test_gpu_serve_bench_dry_run_qwen9b_stub_bench(tmp_path):
         OUT=str(out),
         BENCH_WORK=str(tmp_path / "work"),
         BENCH_DEVICE="cpu",
+        BENCH_MODEL_DIR=str(tmp_path / "model"),
         BENCH_TINY="1",
         BENCH_BANDWIDTH_GIB="0.03125",
-        BENCH_BUDGET="200",
+        BENCH_BUDGET="0",  # no budget: the dry run waits for each step
         BENCH_ARGS=f"--port {free_port()} --cache-root {tmp_path}/cache "
         "--server-estimate 10",
         BENCH_CLI=f"{PY} {stub}",
     )
-    proc = subprocess.run(
+    proc = run_until_done(
         ["bash", str(REPO / "benchmarks" / "gpu_serve_bench.sh"), "qwen9b"],
+        what="gpu_serve_bench.sh qwen9b (dry run)",
         cwd=REPO,
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["qwen9b.md", "qwen9b.tgz"]

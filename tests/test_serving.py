@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port, subprocess_env
+from conftest import free_port, run_until_done, subprocess_env, wait_until_healthy
 
 from harness import fastapply as fa
 from serving import make_model as mm
@@ -29,16 +29,11 @@ PY = sys.executable
 FAKE = f"{PY} -m serving.fake_server"
 
 
-def _run_result(argv: list[str], cwd: Path = REPO, timeout: int = 600, **env):
+def _run_result(argv: list[str], cwd: Path = REPO, **env):
     """Run ``argv`` (a script printing ``RESULT <json>``) with
     ``subprocess_env(**env)``; the JSON of its last ``RESULT`` line."""
-    proc = subprocess.run(
-        argv,
-        cwd=cwd,
-        env=subprocess_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    proc = run_until_done(
+        argv, what=f"{argv[1:3]} (prints RESULT)", cwd=cwd, env=subprocess_env(**env)
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, proc.stderr[-4000:]
@@ -432,10 +427,10 @@ def _serve_check(tmp_path, *args, prompts="text", mode="model", n=16):
         "8",
         "--max-tokens",
         "40",
+        # no deadline: each step waits for its condition (tests of the
+        # deadline pass their own after these)
         "--deadline",
-        "90",
-        "--client-budget",
-        "30",
+        "0",
         "--stagger",
         "0",
         "--port",
@@ -446,13 +441,11 @@ def _serve_check(tmp_path, *args, prompts="text", mode="model", n=16):
         f"{FAKE} --fake-mode {mode}",
         *args,
     ]
-    proc = subprocess.run(
+    proc = run_until_done(
         [PY, "-m", "serving.serve_check", *argv],
+        what="serve_check against fake servers",
         cwd=REPO,
         env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
     )
     report = json.loads((out / "serve_check.json").read_text())
     return proc, report, out
@@ -557,23 +550,12 @@ def test_serve_check_fastapply_failures_and_exact_match(tmp_path):
 
 
 def test_serve_check_usage_errors(tmp_path):
-    proc = subprocess.run(
-        [
-            PY,
-            "-m",
-            "serving.serve_check",
-            "--model",
-            "x",
-            "--out",
-            str(tmp_path),
-            "--server",
-            "ref=none",
-        ],
+    proc = run_until_done(
+        [PY, "-m", "serving.serve_check", "--model", "x", "--out", str(tmp_path)]
+        + ["--server", "ref=none"],
+        what="serve_check with one server (a usage error)",
         cwd=REPO,
         env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
     )
     assert proc.returncode == 2 and "candidate" in proc.stderr
     with pytest.raises(sc.CheckError):
@@ -674,20 +656,12 @@ def fake_fastapply_servers():
             )
         )
         urls[name] = f"http://127.0.0.1:{port}"
-    import time
-    import urllib.request
-
-    for url in urls.values():
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
+    for (name, url), p in zip(urls.items(), procs, strict=True):
+        wait_until_healthy(url, p, what=f"fake fast-apply server {name!r}")
     yield urls
     for p in procs:
-        p.terminate()
-        p.wait(timeout=10)
+        p.kill()
+        p.wait()
 
 
 @pytest.mark.parametrize(
@@ -715,8 +689,8 @@ def test_lm_eval_runs_the_task(
     )
     srv = sc.ServerSpec("x", None, url=fake_fastapply_servers[server])
     cmd = sc.lm_eval_command(a, srv, tmp_path, chat)
-    proc = subprocess.run(
-        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    proc = run_until_done(
+        cmd, what=f"lm-eval against the {server!r} fake", cwd=tmp_path, env=env
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = sc.read_lm_eval(tmp_path, "fastapply")
@@ -763,18 +737,17 @@ def test_gpu_serve_dry_run(tmp_path, step):
         PYTHON=PY,
         OUT=str(out),
         SERVE_WORK=str(tmp_path / "work"),
+        SERVE_MODEL_DIR=str(tmp_path / "model"),
         SERVE_DEVICE="cpu",
         SERVE_TINY="1",
-        SERVE_BUDGET="150",
+        SERVE_BUDGET="0",  # no budget: the dry run waits for each step
         SERVE_ARGS=f"--port {free_port()} --n 16",
     )
-    proc = subprocess.run(
+    proc = run_until_done(
         ["bash", str(REPO / "serving" / "gpu_serve.sh"), step],
+        what=f"gpu_serve.sh {step} (dry run)",
         cwd=REPO,
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == sorted(
