@@ -36,6 +36,9 @@ class Position:
     gap: float  # logprob(top1) - logprob(top2); inf if unknown
     # teacher-forced positions: logprob(top1) - logprob(candidate token)
     cand_gap: float | None = None
+    # the {token: logprob} it was made from (top-k plus the actual token):
+    # the drift oracle (harness.oracle) compares every position's values
+    logprobs: dict | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def top(cls, logprobs: dict[int, float], candidate: int | None = None) -> Position:
@@ -45,20 +48,24 @@ class Position:
         cand_gap = None
         if candidate is not None and candidate in logprobs:
             cand_gap = ranked[0][1] - logprobs[candidate]
+        lps = dict(logprobs)
         if len(ranked) < 2:
-            return cls(ranked[0][0], None, float("inf"), cand_gap)
-        return cls(ranked[0][0], ranked[1][0], ranked[0][1] - ranked[1][1], cand_gap)
+            return cls(ranked[0][0], None, float("inf"), cand_gap, lps)
+        return cls(
+            ranked[0][0], ranked[1][0], ranked[0][1] - ranked[1][1], cand_gap, lps
+        )
 
     @classmethod
     def from_logprobs(cls, token: int, logprobs: dict[int, float]) -> Position:
         ranked = sorted(logprobs.items(), key=lambda kv: -kv[1])
+        lps = dict(logprobs)
         if not ranked:
-            return cls(token, None, float("inf"))
+            return cls(token, None, float("inf"), logprobs=lps)
         best = logprobs.get(token, ranked[0][1])
         others = [(t, lp) for t, lp in ranked if t != token]
         if not others:
-            return cls(token, None, float("inf"))
-        return cls(token, others[0][0], best - others[0][1])
+            return cls(token, None, float("inf"), logprobs=lps)
+        return cls(token, others[0][0], best - others[0][1], logprobs=lps)
 
 
 @dataclass(frozen=True)

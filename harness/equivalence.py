@@ -28,7 +28,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import compat
+from . import compat, oracle, sampled
 from .compare import TIE_MARGIN, CellSummary, Position, noise, verify
 from .drafter import LOG_ENV, SCRIPT_ENV
 from .fastapply_task import make_eval_set
@@ -65,6 +65,9 @@ class Cell:
     dtype: str = "bfloat16"
     max_tokens: int = 96
     kv_cache_dtype: str = "auto"  # e.g. a TurboQuant preset
+    # "greedy" or a sampled preset (harness.sampled.PRESETS: temperature,
+    # top-p/top-k, seed, rejection-sampling method)
+    sampling: str = "greedy"
     # engine arguments over the cell's own (e.g. max_num_batched_tokens,
     # max_num_seqs); "block_size" also goes to the scripted drafter
     extra: dict = field(default_factory=dict, hash=False, compare=False)
@@ -86,6 +89,8 @@ class Cell:
         }
         if self.extra:
             key["engine"] = dict(sorted(self.extra.items()))
+        if self.sampling != "greedy":
+            key["sampling"] = self.sampling
         return key
 
 
@@ -176,6 +181,8 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
     if spec:
         if spec.get("model") == DRAFTER_DIR:
             spec = {**spec, "model": drafter_dir(model_dir, cell.drafter)}
+        # a sampled cell's rejection-sampling method (harness.sampled)
+        spec = {**spec, **sampled.spec_kwargs(cell.sampling, cell.k)}
         kw["speculative_config"] = spec
     kw.update(cell.extra)
     return kw
@@ -339,7 +346,7 @@ def generate(cell: Cell, model_dir: str, waves, logprobs: int | None):
     llm = _engine(cell, model_dir)
     try:
         sp = SamplingParams(
-            temperature=0.0,
+            **sampled.sampling_kwargs(cell.sampling),  # greedy: temperature 0
             max_tokens=cell.max_tokens,
             # the fast-apply fixture's answers end at EOS
             ignore_eos=cell.model != FASTAPPLY,
@@ -387,7 +394,8 @@ def teacher_forced(
     cell = Cell(model, "none", 0, len(seqs), dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     llm = _engine(cell, model_dir)
     try:
-        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+        # top-k (harness.oracle.TOPK) for the drift oracle; top-2 for verify
+        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=oracle.TOPK)
         outs = llm.generate(
             [TokensPrompt(prompt_token_ids=list(p) + list(c)) for p, c in seqs],
             sp,
@@ -473,6 +481,10 @@ def run_cells(
     # (model, dtype, kv cache dtype) -> [(row, prompts, cands, rkey)]
     pending: dict[tuple, list] = {}
     refs: dict[tuple, tuple] = {}
+    # drift oracle: rkey -> (logprobs, tokens) of the floor run; id(row) ->
+    # the candidates' own logprobs
+    floors: dict[tuple, tuple] = {}
+    cand_lps: dict[int, list] = {}
     models: dict[str, str] = {}
     for n_done, cell in enumerate(cells):
         t0 = time.time()
@@ -506,25 +518,40 @@ def run_cells(
                                 max_tokens=cell.max_tokens,
                                 kv_cache_dtype=cell.kv_cache_dtype)  # fmt: skip
                 waves = [cell_prompts(cell.model, n, seed)]
-                outs, _ = generate(ref_cell, model_dir, waves, logprobs=2)
+                outs, _ = generate(ref_cell, model_dir, waves, logprobs=oracle.TOPK)
                 if two_waves:
                     toks = [list(o.outputs[0].token_ids) for o in outs]
                     # fast-apply: the answer so far, in distribution
                     tail = 0 if cell.model == FASTAPPLY else 4
                     waves.append(second_wave(waves[0], toks, seed, tail))
-                    outs += generate(ref_cell, model_dir, waves[1:], logprobs=2)[0]
+                    outs += generate(ref_cell, model_dir, waves[1:],
+                                     logprobs=oracle.TOPK)[0]  # fmt: skip
                 refs[rkey] = (
                     reference_positions(outs),
                     [list(o.outputs[0].token_ids) for o in outs],
                     waves,
+                )
+                # the drift oracle's noise floor: a second non-speculative run
+                # in another batch composition (harness.oracle.floor_waves)
+                fwaves, fbatch = oracle.floor_waves(waves, n)
+                fcell = Cell(cell.model, "none", 0, fbatch, dtype=cell.dtype,
+                             max_tokens=cell.max_tokens,
+                             kv_cache_dtype=cell.kv_cache_dtype)  # fmt: skip
+                fouts = oracle.unreverse(
+                    generate(fcell, model_dir, fwaves, oracle.TOPK)[0], waves
+                )
+                floors[rkey] = (
+                    oracle.output_lps(fouts),
+                    [list(o.outputs[0].token_ids) for o in fouts],
                 )
             _, ref_tokens, waves = refs[rkey]
             prompts = [p for w in waves for p in w]
             log = None
             if cell.drafter.startswith("scripted:"):
                 log = _scripted_env(cell, workdir, seed, prompts, ref_tokens)
-            outs, metrics = generate(cell, model_dir, waves, logprobs=None)
+            outs, metrics = generate(cell, model_dir, waves, logprobs=oracle.TOPK)
             cands = [list(o.outputs[0].token_ids) for o in outs]
+            cand_lps[id(row)] = oracle.output_lps(outs)
             row["accept"] = metrics or None
             if cell.kv_cache_dtype.startswith("turboquant_"):
                 row["turboquant_prefill"] = turboquant_prefill()
@@ -551,6 +578,9 @@ def run_cells(
                 prompts = [p for w in waves for p in w]
                 seqs += list(zip(prompts, ref_tokens, strict=True))
                 owners += [("ref", rkey, i) for i in range(len(prompts))]
+                if rkey in floors:
+                    seqs += list(zip(prompts, floors[rkey][1], strict=True))
+                    owners += [("floor", rkey, i) for i in range(len(prompts))]
         for j, (_, prompts, cands, _) in enumerate(items):
             seqs += list(zip(prompts, cands, strict=True))
             owners += [("cell", j, i) for i in range(len(prompts))]
@@ -566,13 +596,28 @@ def run_cells(
                 worst = max(worst, noise(refs[key][0][i], pos))
         margin = max(TIE_MARGIN[dtype], 2 * worst)
         summaries = [CellSummary() for _ in items]
+        floor = oracle.Floor()
+        drifts = [oracle.CellDrift() for _ in items]
         for (kind, key, i), pos, (_, cand) in zip(owners, forced, seqs, strict=True):
-            if kind == "cell":
-                ref_len = len(refs[items[key][3]][1][i])
-                summaries[key].add_verification(
-                    i, verify(pos, cand, margin, expected_len=ref_len)
-                )
-        for (row, *_), s in zip(items, summaries, strict=True):
+            forced_lps = [q.logprobs for q in pos]
+            if kind == "ref":
+                floor.add([q.logprobs for q in refs[key][0][i]], forced_lps, cand)
+                if key in floors:
+                    ref_lps = [q.logprobs for q in refs[key][0][i]]
+                    flps, ftoks = floors[key][0][i], floors[key][1][i]
+                    floor.add_pair(ref_lps, flps, cand, ftoks)
+            elif kind == "floor":
+                floor.add(floors[key][0][i], forced_lps, cand)
+            elif kind == "cell":
+                row = items[key][0]
+                drifts[key].add(i, cand_lps[id(row)][i], forced_lps, cand)
+                if row.get("sampling"):
+                    v = sampled.verify_support(pos, cand, row["sampling"], margin)
+                else:
+                    ref_len = len(refs[items[key][3]][1][i])
+                    v = verify(pos, cand, margin, expected_len=ref_len)
+                summaries[key].add_verification(i, v)
+        for (row, *_), s, d in zip(items, summaries, drifts, strict=True):
             row.update(
                 prompts=s.prompts,
                 tokens=s.tokens,
@@ -585,6 +630,9 @@ def run_cells(
                 tie_margin=round(margin, 4),
                 noise=round(worst, 4),
             )
+            row.update(d.judge(floor, dtype))
+            if row["drift_violations"]:
+                row["status"] = "diverged"
     for row in rows:
         print(json.dumps({k: row.get(k) for k in ("model", "drafter", "k", "batch",
               "runner", "status", "tokens", "divergences", "ties", "tie_margin",
@@ -712,6 +760,11 @@ def slice_cells(name: str) -> list[Cell]:
         ]  # fmt: skip
     if name == "budget-probe" or name.startswith("budget-probe-"):
         return budget_probe(name.removeprefix("budget-probe").lstrip("-") or "all")
+    if name == "sampled" or name.startswith("sampled-"):
+        # temperature/top-p/top-k with every rejection-sampling method
+        # (harness.sampled.cells): drift oracle and support check
+        part = name.removeprefix("sampled").lstrip("-") or "all"
+        return [Cell(**kw) for kw in sampled.cells(part)]
     if name == "v1-more-models":
         # the other generated fixtures on V1 (bf16): Qwen3-Next (GDN, MoE,
         # MTP), Granite-4.0-H (Mamba2), Kimi-Linear (KDA: the fork refuses

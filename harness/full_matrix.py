@@ -72,6 +72,20 @@ def _key(cell: dict) -> tuple:
                  for k in SIDE_KEY)  # fmt: skip
 
 
+def worst_drift(cells) -> dict | None:
+    """The cell with the largest drift/threshold ratio: its ratio and key."""
+    best = None
+    for c in cells:
+        m, t = c.get("drift_max"), c.get("drift_threshold")
+        if isinstance(m, (int, float)) and isinstance(t, (int, float)) and t > 0:
+            r = m / t
+            if best is None or r > best["ratio"]:
+                keys = ("model", "runner", "drafter", "k", "batch", "sampling")
+                best = {"ratio": round(r, 3), "drift": m, "threshold": t,
+                        "cell": {k: c.get(k) for k in keys}}  # fmt: skip
+    return best
+
+
 def collect(report_dir: Path) -> dict[str, dict[tuple, tuple[dict, str]]]:
     """variant -> cell key -> (reported cell, file name), from the slice
     reports ``<slice>-<variant>.json`` in ``report_dir``."""
@@ -90,7 +104,10 @@ def _text(x: tuple[dict, str] | None) -> str:
     s = c["status"]
     if s in ("ok", "diverged"):
         word = "**diverged**" if s == "diverged" else "ok"
-        return f"{word}: {c['divergences']} div, {c['ties']} ties / {c['tokens']} tok"
+        from .report import _drift_suffix
+
+        return (f"{word}: {c['divergences']} div, {c['ties']} ties / "
+                f"{c['tokens']} tok{_drift_suffix(c)}")  # fmt: skip
     return s
 
 
@@ -125,6 +142,12 @@ def summarize(report_dir: Path, title: str) -> dict[str, Counter]:
             + ", ".join(f"{n} {s}" for s, n in sorted(counts[v].items()))
             + f" (of {len(seen)} cells)"
         )
+        w = worst_drift(c for c, _ in got[v].values())
+        if w:
+            head.append(
+                f"  - worst drift: {w['drift']:.3g} nats, {w['ratio']:.2f} of its "
+                f"threshold ({w['threshold']:.3g}), in {w['cell']}"
+            )
     (report_dir / "FULL.md").write_text("\n".join(head + [""] + lines) + "\n")
     for v in VARIANTS:
         cells = [c for c, _ in got[v].values()]

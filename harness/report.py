@@ -3,7 +3,11 @@
 A cell is one configuration of the matrix. Required keys (issue 3): model,
 runner, cache_mode, drafter, k, batch, graphs, async, status (ok | diverged |
 rejected | error), tokens, divergences, ties; optional: chunked, preempt,
-dtype, prompts, first_divergence, error, accept, wall_s.
+dtype, prompts, first_divergence, error, accept, wall_s, sampling, and the
+drift oracle's fields (``harness.oracle``: drift_max, drift_threshold,
+drift_violations, first_drift, ...). A cell is ``diverged`` when it has
+divergences (argmax flips beyond ties) or drift violations (a position's
+log-probabilities off the teacher-forced reference beyond the noise floor).
 """
 
 from __future__ import annotations
@@ -37,11 +41,38 @@ def validate(cell: dict) -> dict:
         raise ValueError(f"cell lacks {missing}: {cell}")
     if cell["status"] not in STATUSES:
         raise ValueError(f"bad status {cell['status']!r}")
-    if cell["status"] == "diverged" and not cell["divergences"]:
+    bad = cell["divergences"] + (cell.get("drift_violations") or 0)
+    if cell["status"] == "diverged" and not bad:
         raise ValueError("a diverged cell must count its divergences")
-    if cell["status"] == "ok" and cell["divergences"]:
+    if cell["status"] == "ok" and bad:
         raise ValueError("an ok cell cannot have divergences")
     return cell
+
+
+def _drift_suffix(cell: dict) -> str:
+    """``, drift worst/threshold`` where the cell has the drift oracle."""
+    t = drift_text(cell)
+    return "" if t == "n/a" else f", drift {t}"
+
+
+def drift_text(cell: dict) -> str:
+    """``worst/threshold`` of the drift oracle (token logprob; top-k where
+    it is the larger share of its threshold), ``n/a`` without it."""
+    if not isinstance(cell.get("drift_max"), (int, float)):
+        return "n/a"
+    tok = f"{cell['drift_max']:.2g}/{cell['drift_threshold']:.2g}"
+    if cell.get("drift_topk_max") not in (None, "inf") and cell.get(
+        "drift_topk_threshold"
+    ):
+        top = cell["drift_topk_max"] / cell["drift_topk_threshold"]
+        if top > cell["drift_max"] / max(cell["drift_threshold"], 1e-30):
+            tok += f" (top-k {cell['drift_topk_max']:.2g}/"
+            tok += f"{cell['drift_topk_threshold']:.2g})"
+    if cell.get("drift_violations"):
+        tok = f"**{tok}: {cell['drift_violations']} over**"
+    if cell.get("drift_missing"):
+        tok += f", {cell['drift_missing']} without logprobs"
+    return tok
 
 
 def _label(cell: dict, keys: Iterable[str]) -> str:
@@ -59,13 +90,16 @@ def _label(cell: dict, keys: Iterable[str]) -> str:
 def markdown(cells: list[dict], title: str) -> str:
     head = (
         "| model | runner | cache | drafter | k | batch | graphs | async | extra "
-        "| status | tokens | div | ties | first divergence / error |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| status | tokens | div | ties | drift/threshold "
+        "| first divergence / error |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for c in cells:
-        extra = " ".join(k for k in ("chunked", "preempt") if c.get(k)) + (
-            f" {c['dtype']}" if c.get("dtype") else ""
+        extra = (
+            " ".join(k for k in ("chunked", "preempt") if c.get(k))
+            + (f" {c['dtype']}" if c.get("dtype") else "")
+            + (f" sampled:{c['sampling']}" if c.get("sampling") else "")
         )
         if c["status"] in ("rejected", "error"):
             detail = (c.get("error") or "").replace("|", "/").replace("\n", " ")[:160]
@@ -79,13 +113,17 @@ def markdown(cells: list[dict], title: str) -> str:
                 detail += f"; largest {c['max_margin']:.3g}"
             if isinstance(c.get("tie_margin"), (int, float)):
                 detail += f" (tie < {c['tie_margin']:.3g})"
+        elif c.get("first_drift"):
+            d = c["first_drift"]
+            detail = (f"prompt {d['prompt']} pos {d['position']} drift "
+                      f"{d['drift']} top-k {d['topk_drift']}")  # fmt: skip
         else:
             detail = ""
         rows.append(
             f"| {c['model']} | {c['runner']} | {c['cache_mode']} | {c['drafter']} "
             f"| {c['k']} | {c['batch']} | {c['graphs']} | {c['async']} "
             f"| {extra.strip()} | **{c['status']}** | {c['tokens']} "
-            f"| {c['divergences']} | {c['ties']} | {detail} |"
+            f"| {c['divergences']} | {c['ties']} | {drift_text(c)} | {detail} |"
         )
     counts = {s: sum(c["status"] == s for c in cells) for s in STATUSES}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
@@ -151,7 +189,7 @@ def write_report(cells: list[dict], outdir: Path, run: str) -> dict[str, Path]:
 # fork vs upstream side by side
 
 SIDE_KEY = ("model", "runner", "drafter", "k", "batch", "cache_mode", "graphs",
-            "async", "chunked", "preempt", "kv_cache_dtype")  # fmt: skip
+            "async", "chunked", "preempt", "kv_cache_dtype", "sampling")  # fmt: skip
 _RANK = {"ok": 3, "diverged": 3, "error": 1, "rejected": 0}
 
 
@@ -178,7 +216,8 @@ def side_by_side(files: Iterable[str | Path]) -> str:
         if s in ("ok", "diverged"):
             txt = f"**{s}**" if s == "diverged" else s
             return (f"{txt}: {c['divergences']} div, {c['ties']} ties / "
-                    f"{c['tokens']} tok <sub>{name}</sub>")  # fmt: skip
+                    f"{c['tokens']} tok{_drift_suffix(c)} "
+                    f"<sub>{name}</sub>")  # fmt: skip
         return f"{s} <sub>{name}</sub>"
 
     lines = [

@@ -1,0 +1,267 @@
+"""Every token is a test: per-position log-probability drift against the
+teacher-forced reference, judged against a measured noise floor.
+
+``harness.compare`` judges a cell by its argmax flips (beyond bf16 ties).
+A corrupted recurrent state that does not flip a choice passes it. This
+module adds a second oracle over every generated position: the candidate's
+own log-probability of the token it emitted, and its top-k log-probabilities,
+must equal (within noise) the non-speculative model's teacher-forced
+log-probabilities on the same prefix:
+
+- ``token drift`` = |lp_cand(tok) - lp_ref(tok)|;
+- ``top-k drift``: the largest |lp_cand(t) - lp_ref(t)| over the union of
+  both top-k sets. Where a token is in one top-k and not in the other, its
+  value on the other side is unknown but at most that side's k-th value, so
+  ``max(0, lp_one(t) - kth_other)`` is a lower bound of its drift and is used
+  (a changed top-k set counts only as far as values prove it).
+
+Noise floor (``Floor``): the same two quantities for non-speculative runs
+against the same teacher-forced reference, from two runs that differ only in
+batch composition (the reference run, and one with a third of the batch at a
+time in reverse order), plus the two runs against each other where their
+tokens agree. A non-speculative run's logprobs come from the decode path,
+the reference's from a prefill: the floor holds the kernel-path noise a
+correct speculative run also carries.
+
+Threshold (``threshold``): ``factor * max(floor, eps(dtype))``. The factor
+is derived, not chosen: if drift has (at most) exponential tails with scale
+s, the largest of N floor positions is about s ln N, so a position of a
+correct cell exceeds ``c * max_N`` with probability about ``N**-c``; over the
+cell's M positions the chance of a false alarm is about ``M * N**-c``. The
+factor is the ``c`` that holds this to ``ALPHA`` per cell:
+``c = max(1, ln(M / ALPHA) / ln N)`` (about 2 for N = 1500, M = 6000).
+Gaussian tails (the sum of many rounding errors) are lighter, so the rate
+there is lower still. ``eps(dtype)`` (bf16 2**-8) is one unit of relative
+precision: a floor below it means the floor sample happened to be bitwise
+deterministic, not that smaller drifts are meaningful.
+
+Hand-written: vLLM returns log-probabilities as per-position dicts; the
+comparison is a few lines of dict arithmetic over them, with no library
+doing the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+# top-k log-probabilities requested from every run (generated and prompt
+# logprobs; vLLM's default max_logprobs is 20)
+TOPK = 5
+# false-alarm probability per cell under the tail model (module docstring)
+ALPHA = 1e-3
+# one unit of relative precision per dtype (machine epsilon of the mantissa)
+EPS = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-23}
+
+LP = dict[int, float]
+
+
+def lp_dict(entry) -> LP:
+    """``{token: logprob}`` of one vLLM logprobs entry (a dict of Logprob
+    objects, or already floats)."""
+    return {int(t): float(getattr(v, "logprob", v)) for t, v in entry.items()}
+
+
+def output_lps(outs) -> list[list[LP]]:
+    """Per request, per generated position: the ``{token: logprob}`` vLLM
+    returned (top-k plus the emitted token)."""
+    return [[lp_dict(e) for e in (o.outputs[0].logprobs or [])] for o in outs]
+
+
+def _topk(lps: LP, k: int) -> list[tuple[int, float]]:
+    return sorted(lps.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+
+
+def _bad(x: float) -> bool:
+    return not math.isfinite(x) and x != -math.inf
+
+
+@dataclass(frozen=True)
+class PositionDrift:
+    token: float  # |lp_cand(tok) - lp_ref(tok)|
+    topk: float  # largest (proven) drift over the union of the top-k sets
+    set_changed: bool  # the top-k sets differ
+
+
+def _topk_drift(cand: LP, ref: LP, k: int) -> tuple[float, bool]:
+    """Largest proven drift over the union of both top-k sets, and whether
+    the sets differ."""
+    top_c, top_r = _topk(cand, k), _topk(ref, k)
+    if any(_bad(v) for _, v in top_c + top_r):
+        return math.inf, True
+    worst = 0.0
+    if top_c and top_r:
+        kth_c, kth_r = top_c[-1][1], top_r[-1][1]
+        for t, v in top_c:
+            worst = max(worst, abs(v - ref[t]) if t in ref else max(0.0, v - kth_r))
+        for t, v in top_r:
+            worst = max(worst, abs(v - cand[t]) if t in cand else max(0.0, v - kth_c))
+    return worst, {t for t, _ in top_c} != {t for t, _ in top_r}
+
+
+def position_drift(cand: LP, ref: LP, token: int, k: int = TOPK) -> PositionDrift:
+    """Drift of one position: ``cand`` and ``ref`` hold top-k and the emitted
+    ``token`` (vLLM's generated and prompt logprobs both do)."""
+    if token not in cand or token not in ref:
+        raise KeyError(f"token {token} missing from a logprob dict")
+    a, b = cand[token], ref[token]
+    if _bad(a) or _bad(b):
+        return PositionDrift(math.inf, math.inf, True)
+    tok = 0.0 if a == b else abs(a - b)
+    top, changed = _topk_drift(cand, ref, k)
+    return PositionDrift(tok, max(tok, top), changed)
+
+
+def sequence_drift(
+    cand: Sequence[LP], ref: Sequence[LP], tokens: Sequence[int], k: int = TOPK
+) -> list[PositionDrift]:
+    if not (len(cand) == len(ref) == len(tokens)):
+        raise ValueError(
+            f"{len(cand)} / {len(ref)} logprob dicts, {len(tokens)} tokens"
+        )
+    return [
+        position_drift(c, r, t, k) for c, r, t in zip(cand, ref, tokens, strict=True)
+    ]
+
+
+@dataclass
+class Floor:
+    """Noise floor of one (model, dtype, kv cache dtype): the largest drift
+    of non-speculative runs (``add``: against the teacher-forced reference;
+    ``add_pair``: two runs against each other while their tokens agree)."""
+
+    token: float = 0.0
+    topk: float = 0.0
+    positions: int = 0
+
+    def _add(self, drifts: Iterable[PositionDrift]) -> None:
+        for d in drifts:
+            self.token = max(self.token, d.token)
+            self.topk = max(self.topk, d.topk)
+            self.positions += 1
+
+    def add(self, gen: Sequence[LP], forced: Sequence[LP], tokens: Sequence[int]):
+        if _complete(gen, forced, tokens):
+            self._add(sequence_drift(gen, forced, tokens))
+
+    def add_pair(self, a: Sequence[LP], b: Sequence[LP], ta, tb) -> None:
+        """Two non-speculative runs of one prompt, up to and including their
+        first differing token (both condition on the same prefix there)."""
+        if not _complete(a, b, ta) or not _complete(b, a, tb):
+            return
+        n = 0
+        while n < min(len(ta), len(tb)) and ta[n] == tb[n]:
+            n += 1
+        for i in range(min(n, len(a), len(b))):
+            self._add([position_drift(a[i], b[i], ta[i])])
+        if n < min(len(ta), len(tb)):
+            # same prefix, different tokens: the top-k still must agree
+            top, changed = _topk_drift(a[n], b[n], TOPK)
+            self._add([PositionDrift(0.0, top, changed)])
+
+    def to_dict(self) -> dict:
+        return {"token": self.token, "topk": self.topk, "positions": self.positions}
+
+
+def _complete(a: Sequence, b: Sequence, tokens: Sequence) -> bool:
+    """Both runs returned a logprob dict at every position (a run without
+    logprobs, or a test's fake reference without them, is not judged)."""
+    n = len(tokens)
+    return (
+        len(a) >= n
+        and len(b) >= n
+        and all(x is not None for x in list(a[:n]) + list(b[:n]))
+    )
+
+
+def factor(floor_positions: int, cell_positions: int, alpha: float = ALPHA) -> float:
+    """``c`` of the module docstring: ``max(1, ln(M / alpha) / ln N)``."""
+    n = max(floor_positions, 2)
+    m = max(cell_positions, 1)
+    return max(1.0, math.log(m / alpha) / math.log(n))
+
+
+def threshold(floor_value: float, dtype: str, c: float) -> float:
+    return c * max(floor_value, EPS[dtype])
+
+
+@dataclass
+class CellDrift:
+    """Per-position drift of one cell's candidates against the teacher-forced
+    reference; ``judge`` turns it into report fields."""
+
+    drifts: list[tuple[int, int, int, PositionDrift]] = field(default_factory=list)
+    missing: int = 0  # sequences whose candidate returned no logprobs
+
+    def add(
+        self,
+        prompt: int,
+        cand: Sequence[LP],
+        forced: Sequence[LP],
+        tokens: Sequence[int],
+    ) -> None:
+        if not _complete(cand, forced, tokens):
+            self.missing += 1
+            return
+        for i, d in enumerate(sequence_drift(cand, forced, tokens)):
+            self.drifts.append((prompt, i, tokens[i], d))
+
+    def judge(self, floor: Floor, dtype: str, alpha: float = ALPHA) -> dict:
+        """Report fields: worst drifts, the floor, the factor and thresholds,
+        how many positions exceed them, and the first that does."""
+        m = len(self.drifts)
+        c = factor(floor.positions, m, alpha)
+        thr_tok = threshold(floor.token, dtype, c)
+        thr_top = threshold(floor.topk, dtype, c)
+        worst_tok = max((d.token for *_, d in self.drifts), default=0.0)
+        worst_top = max((d.topk for *_, d in self.drifts), default=0.0)
+        violations = 0
+        first = None
+        for prompt, pos, tok, d in self.drifts:
+            if d.token > thr_tok or d.topk > thr_top:
+                violations += 1
+                if first is None:
+                    first = {
+                        "prompt": prompt,
+                        "position": pos,
+                        "token": tok,
+                        "drift": _r(d.token),
+                        "topk_drift": _r(d.topk),
+                    }
+        return {
+            "drift_positions": m,
+            "drift_max": _r(worst_tok),
+            "drift_topk_max": _r(worst_top),
+            "drift_floor": _r(floor.token),
+            "drift_topk_floor": _r(floor.topk),
+            "drift_floor_positions": floor.positions,
+            "drift_factor": round(c, 3),
+            "drift_threshold": _r(thr_tok),
+            "drift_topk_threshold": _r(thr_top),
+            "drift_set_changes": sum(d.set_changed for *_, d in self.drifts),
+            "drift_violations": violations,
+            "drift_missing": self.missing,
+            "first_drift": first,
+        }
+
+
+def _r(x: float) -> float | str:
+    return round(x, 6) if math.isfinite(x) else "inf"
+
+
+def floor_waves(waves: Sequence[Sequence], batch: int) -> tuple[list[list], int]:
+    """The floor run's submission: each wave's prompts in reverse order, a
+    third of the reference batch at a time (another batch composition: other
+    neighbours, other row positions, other batch sizes). Returns the waves
+    and the batch; ``unreverse`` restores the reference order."""
+    return [list(reversed(w)) for w in waves], max(1, batch // 3)
+
+
+def unreverse(outs: Sequence, waves: Sequence[Sequence]) -> list:
+    """Outputs of ``floor_waves``' submission back in the reference order."""
+    res, i = [], 0
+    for w in waves:
+        res += list(reversed(outs[i : i + len(w)]))
+        i += len(w)
+    return res

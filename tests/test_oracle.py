@@ -1,0 +1,260 @@
+"""The drift oracle (harness.oracle) on synthetic logprob data, and wired
+into harness.equivalence.run_cells with a fake engine (no vLLM engine, no
+GPU): a drift above the floor fails, one at the floor passes, a divergence
+is still caught, a tie still tolerated; reports show the worst drift."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from harness import oracle
+from harness.compare import Position, verify
+
+VOCAB = 256  # the fixtures' (prompt ids reach FIRST_SPECIAL_ID)
+
+
+def _log_softmax(x):
+    x = x - x.max()
+    return x - math.log(np.exp(x).sum())
+
+
+def _dict(lp, token, k=oracle.TOPK):
+    top = np.argsort(-lp, kind="stable")[:k]
+    d = {int(t): float(lp[t]) for t in top}
+    d[int(token)] = float(lp[token])
+    return d
+
+
+def _seq(rng, n, noise, bump=None):
+    """Reference and candidate dicts of n positions: candidate logits =
+    reference logits + noise (and ``bump`` = (position, nats) added to the
+    third-ranked token: a drift that flips no argmax)."""
+    refs, cands, toks = [], [], []
+    for i in range(n):
+        logits = rng.normal(0, 3, VOCAB)
+        c = logits + rng.normal(0, noise, VOCAB)
+        if bump and bump[0] == i:
+            third = np.argsort(-logits)[2]
+            c[third] += bump[1]
+        lr, lc = _log_softmax(logits), _log_softmax(c)
+        tok = int(np.argmax(lr))
+        refs.append(_dict(lr, tok))
+        cands.append(_dict(lc, tok))
+        toks.append(tok)
+    return refs, cands, toks
+
+
+def _floor(noise, seqs=8, n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    f = oracle.Floor()
+    for _ in range(seqs):
+        refs, cands, toks = _seq(rng, n, noise)
+        f.add(cands, refs, toks)
+    return f
+
+
+def test_position_drift_values_and_lower_bounds():
+    ref = {1: -0.1, 2: -2.0, 3: -3.0}
+    cand = {1: -0.15, 2: -2.0, 4: -2.5}
+    d = oracle.position_drift(cand, ref, 1, k=3)
+    assert d.token == pytest.approx(0.05)
+    # token 4: in cand's top-3 only, ref value <= ref's 3rd (-3.0): >= 0.5
+    assert d.topk == pytest.approx(0.5)
+    assert d.set_changed
+    assert oracle.position_drift(ref, ref, 2, k=3) == oracle.PositionDrift(
+        0.0, 0.0, False
+    )
+    nan = oracle.position_drift({1: float("nan"), 2: -1.0}, ref, 1, k=3)
+    assert nan.token == math.inf
+
+
+def test_factor_follows_sample_sizes():
+    # more floor positions: a smaller factor; more cell positions: larger
+    assert oracle.factor(10_000, 1000) < oracle.factor(100, 1000)
+    assert oracle.factor(1000, 100_000) > oracle.factor(1000, 100)
+    assert oracle.factor(10**9, 1) == 1.0
+    # the false-alarm rate it stands for: M * N**-c == ALPHA
+    n, m = 1500, 6000
+    c = oracle.factor(n, m)
+    assert m * n**-c == pytest.approx(oracle.ALPHA)
+
+
+def test_drift_above_floor_fails_at_floor_passes():
+    noise = 0.01
+    floor = _floor(noise)
+    rng = np.random.default_rng(1)
+    ok = oracle.CellDrift()
+    for p in range(8):
+        refs, cands, toks = _seq(rng, 64, noise)
+        ok.add(p, cands, refs, toks)
+    j = ok.judge(floor, "bfloat16")
+    assert j["drift_violations"] == 0
+    # a drift exactly at the floor passes (the factor is at least 1)
+    at = oracle.CellDrift()
+    ref = {1: -0.5, 2: -1.0}
+    at.add(0, [{1: -0.5 - floor.token, 2: -1.0}], [ref], [1])
+    assert at.judge(floor, "bfloat16")["drift_violations"] == 0
+    # a bump far above the threshold at one position fails there
+    thr = j["drift_threshold"]
+    bad = oracle.CellDrift()
+    rng = np.random.default_rng(2)
+    for p in range(8):
+        bump = (17, 3 * thr + 0.3) if p == 5 else None
+        refs, cands, toks = _seq(rng, 64, noise, bump)
+        bad.add(p, cands, refs, toks)
+    jb = bad.judge(floor, "bfloat16")
+    assert jb["drift_violations"] >= 1
+    assert jb["first_drift"]["prompt"] == 5
+    assert jb["first_drift"]["position"] == 17
+
+
+def test_floor_is_not_below_dtype_precision():
+    floor = oracle.Floor(token=0.0, topk=0.0, positions=1000)
+    d = oracle.CellDrift()
+    eps = oracle.EPS["bfloat16"]
+    d.add(0, [{1: -1.0 - eps / 2, 2: -2.0}], [{1: -1.0, 2: -2.0}], [1])
+    assert d.judge(floor, "bfloat16")["drift_violations"] == 0
+    assert d.judge(floor, "float32")["drift_violations"] == 1
+
+
+def test_floor_pair_stops_after_first_difference():
+    a = [{1: -0.1, 2: -3.0}, {3: -0.2, 4: -2.0}, {5: -0.1, 6: -3.0}]
+    b = [{1: -0.1, 2: -3.0}, {4: -0.21, 3: -0.19}, {7: -9.0, 8: -9.5}]
+    f = oracle.Floor()
+    f.add_pair(a, b, [1, 3, 5], [1, 4, 7])
+    assert f.positions == 2  # position 0 and the first differing one
+    assert f.topk == pytest.approx(1.79)
+
+
+def test_divergence_still_caught_and_tie_tolerated():
+    # a flip at a decisive position is a divergence; at a near tie a tie,
+    # and neither the tie's logprobs nor the divergence's drift
+    ref = [Position.top({1: -0.1, 2: -3.0}, candidate=2),
+           Position.top({3: -0.69, 4: -0.70}, candidate=4)]  # fmt: skip
+    v = verify(ref, [2, 4], tie_margin=0.05)
+    assert (v.divergences, v.ties) == (1, 1)
+    assert ref[0].logprobs == {1: -0.1, 2: -3.0}
+
+
+def test_floor_waves_round_trip():
+    waves = [[[1], [2], [3], [4]], [[5], [6]]]
+    fw, b = oracle.floor_waves(waves, 6)
+    assert b == 2 and fw == [[[4], [3], [2], [1]], [[6], [5]]]
+    outs = [x for w in fw for x in w]
+    assert oracle.unreverse(outs, waves) == [x for w in waves for x in w]
+
+
+# ---------------------------------------------------------------------------
+# run_cells with a fake engine
+
+
+class FakeLLM:
+    """Deterministic fake model: logits from the last two tokens; each
+    engine adds its own noise (kernel noise); ``bump`` lowers the
+    third-ranked token from position ``bump[0]`` of each continuation in
+    speculative cells; ``flip`` makes speculative cells emit the second
+    choice at a decisive position."""
+
+    engines = 0
+
+    def __init__(self, cell, noise, bump=None, flip=None):
+        FakeLLM.engines += 1
+        self.rng = np.random.default_rng(1000 + FakeLLM.engines)
+        self.spec = cell.drafter != "none"
+        self.noise, self.bump, self.flip = noise, bump, flip
+
+    def logprobs(self, seq, gen_pos):
+        g = np.random.default_rng(
+            hash((seq[-1], seq[-2] if len(seq) > 1 else -1)) % 2**32
+        )
+        logits = g.normal(0, 3, VOCAB) + self.rng.normal(0, self.noise, VOCAB)
+        if self.spec and self.bump and gen_pos >= self.bump[0]:
+            # lowered: no argmax can flip
+            logits[np.argsort(-logits)[2]] -= self.bump[1]
+        return _log_softmax(logits)
+
+    def generate(self, prompts, sp, use_tqdm=False):
+        outs = []
+        for pr in prompts:
+            toks = list(pr["prompt_token_ids"])
+            if sp.prompt_logprobs:
+                plp = [None]
+                for i in range(1, len(toks)):
+                    lp = self.logprobs(toks[:i], None)
+                    plp.append({t: SimpleNamespace(logprob=v)
+                                for t, v in _dict(lp, toks[i]).items()})  # fmt: skip
+                gen = SimpleNamespace(token_ids=[0], logprobs=None)
+                outs.append(SimpleNamespace(prompt_logprobs=plp, outputs=[gen]))
+                continue
+            out, lps = [], []
+            for j in range(sp.max_tokens):
+                lp = self.logprobs(toks + out, j)
+                tok = int(np.argmax(lp))
+                if self.spec and self.flip == j:
+                    tok = int(np.argsort(-lp)[1])
+                out.append(tok)
+                lps.append({t: SimpleNamespace(logprob=v)
+                            for t, v in _dict(lp, tok).items()})  # fmt: skip
+            gen = SimpleNamespace(token_ids=out, logprobs=lps if sp.logprobs else None)
+            outs.append(SimpleNamespace(prompt_logprobs=None, outputs=[gen]))
+        return outs
+
+
+def _run(monkeypatch, tmp_path, **fake):
+    from harness import equivalence as eq
+    from harness import models
+
+    monkeypatch.setattr(eq, "_engine", lambda cell, d: FakeLLM(cell, **fake))
+    monkeypatch.setattr(eq, "_shutdown", lambda llm: None)
+    monkeypatch.setattr(models, "write_model", lambda kind, out, seed=0: out)
+    cells = [eq.Cell("qwen3_5", "ngram", 5, 4, max_tokens=24)]
+    return eq.run_cells(cells, tmp_path, n_prompts=4, seed=0)
+
+
+def test_run_cells_clean_cell_passes(monkeypatch, tmp_path):
+    (row,) = _run(monkeypatch, tmp_path, noise=1e-3)
+    assert row["status"] == "ok", row
+    assert row["drift_violations"] == 0
+    assert 0 < row["drift_max"] <= row["drift_threshold"]
+    assert row["drift_floor_positions"] > 0
+
+
+def test_run_cells_drift_without_flip_fails(monkeypatch, tmp_path):
+    (row,) = _run(monkeypatch, tmp_path, noise=1e-3, bump=(10, 0.5))
+    assert row["divergences"] == 0  # no argmax flipped
+    assert row["status"] == "diverged" and row["drift_violations"] > 0
+    assert row["first_drift"]["position"] == 10
+    from harness.report import markdown, validate
+
+    validate(row)
+    assert "over" in markdown([row], "t")
+
+
+def test_run_cells_divergence_still_caught(monkeypatch, tmp_path):
+    (row,) = _run(monkeypatch, tmp_path, noise=1e-3, flip=6)
+    assert row["status"] == "diverged" and row["divergences"] > 0
+
+
+def test_full_matrix_summary_names_worst_drift(tmp_path, monkeypatch):
+    from harness import full_matrix
+
+    cell = {"model": "qwen3_5", "runner": "v1", "cache_mode": "none",
+            "drafter": "ngram", "k": 5, "batch": 8, "graphs": "eager",
+            "async": False, "chunked": False, "preempt": False,
+            "kv_cache_dtype": "auto", "status": "ok", "tokens": 10,
+            "divergences": 0, "ties": 0, "drift_max": 0.02,
+            "drift_threshold": 0.08, "drift_topk_max": 0.03,
+            "drift_topk_threshold": 0.09, "drift_violations": 0}  # fmt: skip
+    (tmp_path / "x-fork.json").write_text(json.dumps([cell]))
+    monkeypatch.setattr(full_matrix, "expected_cells",
+                        lambda: [("x", {k: cell[k] for k in cell})])  # fmt: skip
+    monkeypatch.setattr("harness.report.heatmap", lambda *a, **k: None)
+    full_matrix.summarize(tmp_path, "t")
+    text = (tmp_path / "FULL.md").read_text()
+    assert "worst drift: 0.02 nats, 0.25 of its threshold" in text
+    assert "drift 0.02/0.08" in text
