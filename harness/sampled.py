@@ -339,11 +339,9 @@ def bug_conditional(p: Mapping[int, float], draft: int, a: float) -> dict:
     ``a = p[draft]``), otherwise a token from the residual ``p`` without the
     draft: the emitted distribution."""
     pd = p.get(draft, 0.0)
-    out = (
-        {t: (1 - a) * x / (1 - pd) for t, x in p.items() if t != draft}
-        if pd < 1
-        else {}
-    )
+    if pd >= 1.0:
+        return {draft: 1.0}  # nothing else can be emitted
+    out = {t: (1 - a) * x / (1 - pd) for t, x in p.items() if t != draft}
     out[draft] = a
     return out
 
@@ -396,6 +394,9 @@ def power(
     bins ``gof`` would use)."""
     from scipy.stats import chi2, ncx2
 
+    for d in (p, q):
+        if abs(sum(d.values()) - 1.0) > 1e-9:
+            raise ValueError(f"not a distribution: sums to {sum(d.values())}")
     keep = [o for o, x in p.items() if n * x >= min_expected]
     rest = [o for o in p if o not in set(keep)]
     pb = [p[o] for o in keep] + ([sum(p[o] for o in rest)] if rest else [])

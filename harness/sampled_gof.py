@@ -28,8 +28,8 @@ from .sampled import (
 
 def exact_conditionals(llm, prompt: list[int], p: Preset, length: int) -> dict:
     """``{prefix: raw top-k logprobs}`` for every prefix of up to
-    ``length - 1`` tokens in the support, by teacher-forced prefills
-    (``prompt_logprobs``) on a non-speculative engine."""
+    ``length - 1`` tokens in the support: the logprobs of one greedy step
+    after prompt + prefix (a prefill) on a non-speculative engine."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -57,12 +57,15 @@ def exact_conditionals(llm, prompt: list[int], p: Preset, length: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     """The distribution test on a GPU host (vLLM installed)::
 
-        python -m harness.sampled --model qwen3_5 --drafter mtp --k 3 \\
+        python -m harness.sampled_gof --model qwen3_5 --drafter mtp --k 3 \\
             --preset t0.8-p0.9-k5 --length 3 --out reports/sampled
 
     Writes ``<out>/gof-<model>-<drafter>-<preset>.json``: the exact joint
     distribution's size, the planned sample count per bug, the G-test per
-    prefix length, the acceptance metrics."""
+    prefix length, the acceptance metrics. The preset must use top-k (the
+    exact distribution is computed from top-k logprobs). Planned counts
+    assume the draft at each position is the target's argmax (what
+    ``scripted:all_accept`` proposes on the greedy path)."""
     ap = argparse.ArgumentParser(description=main.__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3_5")
     ap.add_argument("--drafter", default="mtp")
@@ -91,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     from .models import write_model
 
     p = preset(a.preset)
+    if not p.top_k:
+        ap.error(f"preset {a.preset} has no top-k: its distribution is not exact")
     with tempfile.TemporaryDirectory(prefix="hsfork-gof-") as tmp:
         model_dir = (
             str(eq.FASTAPPLY_DIR)

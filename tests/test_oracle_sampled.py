@@ -6,6 +6,7 @@ check, the G-test's level and its planned power against an acceptance bug
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -60,8 +61,11 @@ def test_in_support():
 
 
 def test_verify_support_lossless_and_lossy():
-    refs = [Position.top({1: -0.1, 2: -2.5, 3: -3.0, 4: -3.5, 5: -4.0, 6: -4.5,
-                          9: -9.0}, candidate=9)]  # fmt: skip
+    refs = [
+        Position.top(
+            {1: -0.1, 2: -2.5, 3: -3.0, 4: -3.5, 5: -4.0, 6: -4.5, 9: -9.0}, candidate=9
+        )
+    ]
     v = sampled.verify_support(refs, [9], "t0.7-k5", tol=0.05)
     assert v.divergences == 1 and v.first["position"] == 0
     assert (
@@ -128,8 +132,9 @@ def test_g_test_level_and_planned_power(bug):
     length = 2
     rng = np.random.default_rng(7)
     conds = _conds(rng, preset, length)
-    exact = sampled.joint({f: sampled.target_dist(v, preset) for f, v in conds.items()},
-                          length)  # fmt: skip
+    exact = sampled.joint(
+        {f: sampled.target_dist(v, preset) for f, v in conds.items()}, length
+    )
     wrong = sampled.bug_joint(conds, preset, length, bug)
     n = sampled.plan(exact, wrong, cap=200_000)
     assert sampled.power(n, exact, wrong) >= sampled.POWER
@@ -195,3 +200,87 @@ def test_sampled_cells_cover_every_speculating_family():
     g = eq.Cell("qwen3_5", "ngram", 5, 8)
     assert "sampling" not in g.key()
     assert sampled.sampling_kwargs("greedy") == {"temperature": 0.0}
+
+
+class _FakeLLM:
+    """A fake engine for harness.sampled_gof: next-token logprobs from the
+    last token (vocab 64); sampled requests draw their tokens from the
+    target distribution with their own seed; ``bug`` emits the argmax
+    draft with the bug's acceptance probability after the first token."""
+
+    def __init__(self, bug=None):
+        self.bug = bug
+
+    @staticmethod
+    def lps(tokens):
+        g = np.random.default_rng(tokens[-1] * 7919 + len(tokens) % 3)
+        return {i: float(x) for i, x in enumerate(_lps(g, 64, scale=1.5))}
+
+    def get_metrics(self):
+        return []
+
+    def generate(self, prompts, sp, use_tqdm=False):
+        outs = []
+        for i, pr in enumerate(prompts):
+            toks = list(pr["prompt_token_ids"])
+            if isinstance(sp, list):
+                p = sampled.preset(self.name)
+                rng = np.random.default_rng(sp[i].seed)
+                out = []
+                for j in range(sp[i].max_tokens):
+                    lps = self.lps(toks + out)
+                    q = sampled.target_dist(lps, p)
+                    if j and self.bug:
+                        d = max(lps, key=lambda x: (lps[x], -x))
+                        a = sampled.wrong_acceptance(lps, p, self.bug)
+                        q = sampled.bug_conditional(q, d, a)
+                    keys = list(q)
+                    out.append(keys[rng.choice(len(keys), p=[q[x] for x in keys])])
+                gen = SimpleNamespace(token_ids=out, logprobs=None)
+            else:
+                lps = self.lps(toks)
+                top = sorted(lps, key=lambda x: -lps[x])[: sp.logprobs or 1]
+                lp = [{t: SimpleNamespace(logprob=lps[t]) for t in top}]
+                gen = SimpleNamespace(token_ids=[top[0]], logprobs=lp)
+            outs.append(SimpleNamespace(outputs=[gen]))
+        return outs
+
+
+@pytest.mark.parametrize("bug", [None, "truncation"])
+def test_sampled_gof_main_with_a_fake_engine(monkeypatch, tmp_path, bug):
+    import json
+
+    from harness import equivalence as eq
+    from harness import models, sampled_gof
+
+    name = "t0.8-p0.9-k5"
+    fake = _FakeLLM(bug)
+    fake.name = name
+    monkeypatch.setattr(eq, "_engine", lambda cell, d: fake)
+    monkeypatch.setattr(eq, "_shutdown", lambda llm: None)
+    monkeypatch.setattr(models, "write_model", lambda kind, out, seed=0: out)
+    cap = "50000"
+    sampled_gof.main(
+        [
+            "--preset",
+            name,
+            "--length",
+            "3",
+            "--drafter",
+            "ngram",
+            "--cap",
+            cap,
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    (f,) = tmp_path.glob("gof-*.json")
+    r = json.loads(f.read_text())
+    # the planned count fits the cap here, and reaches the planned power
+    assert r["samples"] == max(r["planned"].values()) < int(cap)
+    assert min(r["power"].values()) >= sampled.POWER
+    assert set(r["tests"]) == {"1", "2", "3"}
+    # the correct sampler passes; the buggy one fails (positions 2 and 3)
+    assert r["ok"] is (bug is None), r["tests"]
+    if bug:
+        assert r["tests"]["1"]["ok"]  # the first token is not speculative
