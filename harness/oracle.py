@@ -43,6 +43,7 @@ doing the same.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -55,6 +56,16 @@ ALPHA = 1e-3
 EPS = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-23}
 
 LP = dict[int, float]
+# HSFORK_DRIFT=report records drift violations without failing the cell
+# (the default, "fail", makes a cell with a violation "diverged")
+DRIFT_ENV = "HSFORK_DRIFT"
+
+
+def enforced() -> bool:
+    mode = os.environ.get(DRIFT_ENV, "fail")
+    if mode not in ("fail", "report"):
+        raise ValueError(f"{DRIFT_ENV} must be fail or report, not {mode!r}")
+    return mode == "fail"
 
 
 def lp_dict(entry) -> LP:
@@ -241,6 +252,7 @@ class CellDrift:
             "drift_topk_threshold": _r(thr_top),
             "drift_set_changes": sum(d.set_changed for *_, d in self.drifts),
             "drift_violations": violations,
+            "drift_enforced": enforced(),
             "drift_missing": self.missing,
             "first_drift": first,
         }

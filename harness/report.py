@@ -41,7 +41,8 @@ def validate(cell: dict) -> dict:
         raise ValueError(f"cell lacks {missing}: {cell}")
     if cell["status"] not in STATUSES:
         raise ValueError(f"bad status {cell['status']!r}")
-    bad = cell["divergences"] + (cell.get("drift_violations") or 0)
+    drift = cell.get("drift_violations") or 0
+    bad = cell["divergences"] + (drift if cell.get("drift_enforced", True) else 0)
     if cell["status"] == "diverged" and not bad:
         raise ValueError("a diverged cell must count its divergences")
     if cell["status"] == "ok" and bad:
@@ -151,7 +152,9 @@ def heatmap(cells: list[dict], path: Path, title: str) -> None:
         r, k = rows.index(_label(c, ROW_KEYS)), cols.index(_label(c, COL_KEYS))
         grid[r][k] = code[c["status"]]
         text[r][k] = (
-            str(c["divergences"]) if c["status"] == "diverged" else c["status"][:3]
+            (str(c["divergences"]) if c["divergences"] else "drift")
+            if c["status"] == "diverged"
+            else c["status"][:3]
         )
     fig_w = max(6, 0.9 * len(cols) + 4)
     fig_h = max(3, 0.45 * len(rows) + 2)

@@ -258,3 +258,16 @@ def test_full_matrix_summary_names_worst_drift(tmp_path, monkeypatch):
     text = (tmp_path / "FULL.md").read_text()
     assert "worst drift: 0.02 nats, 0.25 of its threshold" in text
     assert "drift 0.02/0.08" in text
+
+
+def test_run_cells_drift_report_mode(monkeypatch, tmp_path):
+    monkeypatch.setenv(oracle.DRIFT_ENV, "report")
+    (row,) = _run(monkeypatch, tmp_path, noise=1e-3, bump=(10, 0.5))
+    assert row["status"] == "ok" and row["drift_violations"] > 0
+    from harness.report import markdown, validate
+
+    validate(row)
+    assert "over" in markdown([row], "t")
+    monkeypatch.setenv(oracle.DRIFT_ENV, "nonsense")
+    with pytest.raises(ValueError):
+        oracle.enforced()
