@@ -5,6 +5,7 @@ check, the G-test's level and its planned power against an acceptance bug
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from types import SimpleNamespace
 
@@ -15,7 +16,10 @@ from harness import sampled
 from harness.compare import Position
 from harness.sampled import Preset
 
-pytest.importorskip("scipy")
+# the statistics need scipy (tests/requirements-cpu.txt); the rest not
+needs_scipy = pytest.mark.skipif(
+    importlib.util.find_spec("scipy") is None, reason="scipy missing"
+)
 
 
 def _lps(rng, vocab=48, scale=2.0):
@@ -126,6 +130,7 @@ def _conds(rng, preset, length, vocab=12):
     return conds
 
 
+@needs_scipy
 @pytest.mark.parametrize("bug", sampled.BUGS)
 def test_g_test_level_and_planned_power(bug):
     preset = Preset(0.7, 0.95, 4)
@@ -146,6 +151,7 @@ def test_g_test_level_and_planned_power(bug):
     assert not sampled.g_tests(bad, exact)[length]["ok"]
 
 
+@needs_scipy
 def test_power_is_calibrated_by_simulation():
     # noncentral chi-square power against multinomial simulation
     from scipy.stats import chi2
@@ -168,6 +174,7 @@ def test_power_is_calibrated_by_simulation():
     assert null / 400 < 0.03
 
 
+@needs_scipy
 def test_gof_rejects_impossible_outcome():
     g, _, pv = sampled.gof({1: 10, 2: 1}, {1: 1.0})
     assert pv == 0.0 and g == math.inf
@@ -246,6 +253,7 @@ class _FakeLLM:
         return outs
 
 
+@needs_scipy
 @pytest.mark.parametrize("bug", [None, "truncation"])
 def test_sampled_gof_main_with_a_fake_engine(monkeypatch, tmp_path, bug):
     import json
