@@ -37,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import BenchError
 from benchmarks.decode_latency import MODES
 from hsfork.common import patches_dir
 
@@ -45,10 +46,6 @@ VARIANTS = ("fork", "upstream")
 FINGERPRINT_FILE = Path("vllm/v1/spec_decode/utils.py")
 FINGERPRINT = "def mark_zero_draft_decodes"
 MARKER = ".hsfork-upstream"
-
-
-class BenchError(RuntimeError):
-    """An error for the user: printed without a traceback."""
 
 
 def _csv(choices: tuple[str, ...]):

@@ -231,7 +231,12 @@ def qwen35_serve_flags() -> str:
 
 SERVE_PARSE_SCRIPT = r"""
 import json, sys
-from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+try:  # v0.33.0
+    from vllm.entrypoints.common.cli_args import (
+        make_arg_parser, validate_parsed_serve_args)
+except ImportError:  # v0.26.0
+    from vllm.entrypoints.openai.cli_args import (
+        make_arg_parser, validate_parsed_serve_args)
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 fields = json.loads(sys.argv[2])
 out = []

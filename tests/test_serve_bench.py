@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import sys
 import tarfile
 from pathlib import Path
@@ -21,35 +20,18 @@ from pathlib import Path
 import pytest
 from conftest import free_port, run_until_done, subprocess_env
 
+from benchmarks import BenchError
+from benchmarks import bench_client as bc
 from benchmarks import serve_bench as sb
+from benchmarks import serve_report as sr
+from benchmarks import weight_floor as wf
 from serving import make_model as mm
-from serving import serve_check as sc
+from serving import servers as sv
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 FAKE = f"{PY} -m serving.fake_server"
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-
-# the part of pandas vLLM's custom dataset uses (pd.read_json(lines=True),
-# .columns, .iterrows(), row.to_dict()), for hosts without pandas
-PANDAS_SHIM = """
-import json
-__version__ = "0.0-shim"
-class _Row(dict):
-    def to_dict(self):
-        return dict(self)
-class _Frame:
-    def __init__(self, rows):
-        self._rows = rows
-        self.columns = sorted({k for r in rows for k in r})
-    def iterrows(self):
-        for i, r in enumerate(self._rows):
-            yield i, _Row(r)
-def read_json(path_or_buf, lines=False):
-    with open(path_or_buf) as f:
-        rows = [json.loads(x) for x in f if x.strip()] if lines else json.load(f)
-    return _Frame(rows)
-"""
 
 # a stand-in for `vllm bench serve`: writes a result JSON of vLLM's shape
 STUB_BENCH = r"""
@@ -79,16 +61,6 @@ with open(os.path.join(a.result_dir, a.result_filename), "w") as f:
 """
 
 
-def _shim_dir(tmp_path: Path) -> str | None:
-    """A folder with the pandas shim when pandas is missing here."""
-    if importlib.util.find_spec("pandas") is not None:
-        return None
-    d = tmp_path / "shim"
-    (d / "pandas").mkdir(parents=True)
-    (d / "pandas" / "__init__.py").write_text(PANDAS_SHIM)
-    return str(d)
-
-
 def _result_lines(stdout: str):
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, stdout[-3000:]
@@ -105,7 +77,7 @@ def test_plan_interleaves_fork_and_upstream():
         [("ngram", "upstream"), ("ngram", "fork")],
         [("mtp", "fork"), ("mtp", "upstream")],
     ]
-    assert sb.num_prompts(1, 16, 4) == 16 and sb.num_prompts(32, 16, 4) == 128
+    assert bc.num_prompts(1, 16, 4) == 16 and bc.num_prompts(32, 16, 4) == 128
     a = sb.parse_run_args(["--suite", "fastapply", "--model", "/m"])
     assert a.specs == ["none", "ngram", "mtp"] and a.concurrency == [1, 8, 32]
     assert a.dataset == "fastapply" and a.tokenizer == "/m"
@@ -116,7 +88,7 @@ def test_plan_interleaves_fork_and_upstream():
 
 def _argvs(tmp_path):
     jsonl = tmp_path / "p.jsonl"
-    fa = sb.bench_argv(
+    fa = bc.bench_argv(
         port=8123,
         model="/m/fa",
         tokenizer="/m/fa/tokenizer",
@@ -130,7 +102,7 @@ def _argvs(tmp_path):
         dataset_path=jsonl,
         output_len=128,
     )
-    q9 = sb.bench_argv(
+    q9 = bc.bench_argv(
         port=8124,
         model="/m/q9",
         tokenizer="/m/q9",
@@ -207,9 +179,9 @@ def test_vllm_serve_command_lines_parse(qwen35_serve_flags, parse_serve_args):
             ["--suite", suite, "--model", "/m", "--engine-args", eng]
             + ["--kv-bytes", kv, "--port", "8300"]
         )
-        ns, srv = sb.server_setup(a, sc, "vllm", spec, "fork")
+        ns, srv = sb.server_setup(a, "vllm", spec, "fork")
         srv.port = 8300
-        cmd = sc.server_command(ns, srv)
+        cmd = sv.server_command(ns, srv)
         assert cmd[:3] == ["vllm", "serve", "/m"]
         cmds.append(cmd[2:])
     got = parse_serve_args(
@@ -218,8 +190,8 @@ def test_vllm_serve_command_lines_parse(qwen35_serve_flags, parse_serve_args):
          "kv_cache_memory_bytes", "language_model_only", "served_model_name",
          "max_num_seqs"],
     )  # fmt: skip
-    assert got[0]["speculative_config"] == sc.PRESETS["ngram"]
-    assert got[1]["speculative_config"] == sc.PRESETS["mtp"]
+    assert got[0]["speculative_config"] == sv.PRESETS["ngram"]
+    assert got[1]["speculative_config"] == sv.PRESETS["mtp"]
     assert got[2]["speculative_config"] is None
     assert got[0]["tokenizer"] == "/m/tokenizer"
     assert got[0]["attention_backend"].endswith("TRITON_ATTN")
@@ -236,7 +208,7 @@ def test_vllm_serve_command_lines_parse(qwen35_serve_flags, parse_serve_args):
 def test_fastapply_dataset_and_exact_match(tmp_path):
     from harness import fastapply as fa
 
-    path = sb.write_fastapply_dataset(tmp_path / "p.jsonl", 8, 0, 128)
+    path = bc.write_fastapply_dataset(tmp_path / "p.jsonl", 8, 0, 128)
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     assert len(rows) == 8
     for row, (p, ans) in zip(rows, fa.make_eval_set(8, 0), strict=True):
@@ -248,8 +220,8 @@ def test_fastapply_dataset_and_exact_match(tmp_path):
     errors = [""] * 8
     errors[5] = "boom"
     res = {"generated_texts": texts, "errors": errors}
-    assert sb.exact_match(res, path) == 0.75
-    assert sb.exact_match({"output_throughput": 1.0}, path) is None
+    assert bc.exact_match(res, path) == 0.75
+    assert bc.exact_match({"output_throughput": 1.0}, path) is None
 
 
 # -- summary ------------------------------------------------------------------
@@ -321,7 +293,7 @@ def test_summary_tables_and_plot(tmp_path):
                 name = f"fastapply-{spec}-{variant}-c{c}"
                 (runs / f"{name}.json").write_text(json.dumps(doc))
     meta = {
-        "schema": sb.SCHEMA,
+        "schema": sr.SCHEMA,
         "suite": "fastapply",
         "exact_match": {"fastapply-ngram-fork-c8": 1.0,
                         "fastapply-ngram-upstream-c8": 0.03},
@@ -333,7 +305,7 @@ def test_summary_tables_and_plot(tmp_path):
     (tmp_path / "in" / "meta.json").write_text(json.dumps(meta))
     # an unrelated JSON is ignored
     (runs / "other.json").write_text(json.dumps({"output_throughput": 1}))
-    s = sb.summary_write([tmp_path / "in"], tmp_path / "out", "fastapply")
+    s = sr.summary_write([tmp_path / "in"], tmp_path / "out", "fastapply")
     assert len(s["rows"]) == 18
     sp = {(x["spec"], x["variant"], x["conc"]): x for x in s["speedups"]}
     assert len(sp) == 12
@@ -362,13 +334,13 @@ def test_summary_tables_and_plot(tmp_path):
             doc = _vllm_result("qwen9b", "none", variant, c, 1000 * c / tpot, tpot)
             (runs9 / f"qwen9b-none-{variant}-c{c}.json").write_text(json.dumps(doc))
     meta9 = {
-        "schema": sb.SCHEMA,
+        "schema": sr.SCHEMA,
         "suite": "qwen9b",
         "weights": {"decode_bytes": 15_000_000_000},
         "bandwidth": {"copy_gbps": 3000.0, "device": "NVIDIA H100 80GB HBM3"},
     }
     (tmp_path / "in9" / "meta.json").write_text(json.dumps(meta9))
-    s9 = sb.summary_write([tmp_path / "in9"], tmp_path / "out9", "qwen9b")
+    s9 = sr.summary_write([tmp_path / "in9"], tmp_path / "out9", "qwen9b")
     fl = s9["weight_read_floor"]
     assert fl["floor_ms"] == pytest.approx(5.0)
     assert fl["bs1"]["fork"]["over_floor"] == pytest.approx(6.0 * (1 + 1 / 64) / 5)
@@ -394,7 +366,7 @@ def test_weight_read_floor_arithmetic(tmp_path):
     # the 9B shape's checkpoint plan: a decode step reads the language
     # model without its embedding table, plus lm_head (untied)
     plan = mm.tensor_plan(mm.qwen9b_config())
-    w = sb.decode_bytes_of({n: math.prod(s) * 2 for n, s, _, _ in plan})
+    w = wf.decode_bytes_of({n: math.prod(s) * 2 for n, s, _, _ in plan})
     assert w["tied"] is False
     assert w["lm_head_bytes"] == w["embed_bytes"] == 248320 * 4096 * 2
     body = sum(
@@ -412,12 +384,12 @@ def test_weight_read_floor_arithmetic(tmp_path):
     assert w["not_read_bytes"] == vis_mtp
     assert w["checkpoint_bytes"] == sum(math.prod(s) * 2 for _, s, _, _ in plan)
     # floor: bytes / (GB/s); 15.87 GB at 3 TB/s is ~5.3 ms
-    assert sb.weight_read_floor_ms(3e9, 1000.0) == pytest.approx(3.0)
-    assert sb.weight_read_floor_ms(w["decode_bytes"], 3000.0) == pytest.approx(
+    assert wf.weight_read_floor_ms(3e9, 1000.0) == pytest.approx(3.0)
+    assert wf.weight_read_floor_ms(w["decode_bytes"], 3000.0) == pytest.approx(
         w["decode_bytes"] / 3e9
     )
     with pytest.raises(ValueError):
-        sb.weight_read_floor_ms(1.0, 0.0)
+        wf.weight_read_floor_ms(1.0, 0.0)
     # from safetensors headers, over shards; tied embeddings count once
     d = tmp_path / "ckpt"
     d.mkdir()
@@ -433,17 +405,17 @@ def test_weight_read_floor_arithmetic(tmp_path):
         d / "model-00002-of-00002.safetensors",
         {"model.language_model.norm.weight": (8,), "mtp.fc.weight": (8, 16)},
     )
-    got = sb.decode_weight_bytes(d)
+    got = wf.decode_weight_bytes(d)
     assert got["tied"] is True
     assert got["decode_bytes"] == (16 * 8 + 8 + 100 * 8) * 2
     assert got["not_read_bytes"] == (24 * 8 + 8 * 16) * 2
-    with pytest.raises(sb.BenchError):
-        sb.decode_weight_bytes(tmp_path)
+    with pytest.raises(BenchError):
+        wf.decode_weight_bytes(tmp_path)
 
 
 def test_bandwidth_measurement_on_cpu():
     pytest.importorskip("torch")
-    res = sb.measure_bandwidth(1 << 20, iters=3, device="cpu")
+    res = wf.measure_bandwidth(1 << 20, iters=3, device="cpu")
     assert res["copy_gbps"] > 0 and res["nbytes"] == 1 << 20
     assert res["method"].startswith("dst.copy_(src)")
 
@@ -478,7 +450,6 @@ def test_gpu_serve_bench_dry_run_fastapply(tmp_path):
     if not HAVE_VLLM:
         pytest.skip("vLLM is not installed here")
     out = tmp_path / "out"
-    shim = _shim_dir(tmp_path)
     env = subprocess_env(
         BENCH_BUNDLE_ENV="none",
         BENCH_VLLM_CMD=f"{FAKE} --fake-mode fastapply",
@@ -493,8 +464,6 @@ def test_gpu_serve_bench_dry_run_fastapply(tmp_path):
         HSFORK_CPU_TESTBED="1",
         VLLM_LOGGING_LEVEL="ERROR",
     )
-    if shim:
-        env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + shim
     proc = run_until_done(
         ["bash", str(REPO / "benchmarks" / "gpu_serve_bench.sh"), "fastapply"],
         what="gpu_serve_bench.sh fastapply (dry run)",
@@ -568,7 +537,7 @@ def test_gpu_serve_bench_dry_run_qwen9b_stub_bench(tmp_path):
     assert rows == {(v, c) for v in ("fork", "upstream") for c in (1, 8, 32, 64)}
     fl = summary["weight_read_floor"]
     assert fl["floor_ms"] == pytest.approx(
-        sb.weight_read_floor_ms(meta["weights"]["decode_bytes"], fl["copy_gbps"])
+        wf.weight_read_floor_ms(meta["weights"]["decode_bytes"], fl["copy_gbps"])
     )
     assert set(fl["bs1"]) == {"fork", "upstream"}
     r1 = next(q for q in summary["fork_over_upstream"] if q["conc"] == 1)
@@ -587,6 +556,10 @@ def test_summary_cli_merges_folders(tmp_path):
     )
     assert (tmp_path / "o" / "x.md").exists()
     assert sb.main(["nope"]) == 2
+    # a usage error, before anything starts
+    bad = ["run", "--suite", "x", "--model", "/m", "--out", str(tmp_path / "r")]
+    assert sb.main([*bad, "--variant", "fork"]) == 2
+    assert not (tmp_path / "r").exists()
 
 
 def test_load_results_drops_skips_that_a_later_call_ran(tmp_path):
@@ -597,7 +570,7 @@ def test_load_results_drops_skips_that_a_later_call_ran(tmp_path):
     ):
         d.mkdir()
         meta = {
-            "schema": sb.SCHEMA,
+            "schema": sr.SCHEMA,
             "servers": [
                 {"name": f"{s}-{v}", "spec": s, "variant": v} for s, v in servers
             ],
@@ -606,6 +579,6 @@ def test_load_results_drops_skips_that_a_later_call_ran(tmp_path):
             ],
         }
         (d / "meta.json").write_text(json.dumps(meta))
-    _, merged = sb.load_results([first, second])
+    _, merged = sr.load_results([first, second])
     assert [(s["spec"], s["variant"]) for s in merged["skipped"]] == [("mtp", "fork")]
     assert len(merged["servers"]) == 2

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +19,11 @@ import pytest
 from conftest import free_port, run_until_done, subprocess_env, wait_until_healthy
 
 from harness import fastapply as fa
+from serving import CheckError, client, lmeval, metrics, prompts
+from serving import compare as cmp
 from serving import make_model as mm
 from serving import serve_check as sc
+from serving import servers as sv
 from serving import tokenizer as tk
 
 REPO = Path(__file__).resolve().parent.parent
@@ -342,17 +344,17 @@ vllm:spec_decode_num_accepted_tokens_total{{{lab}}} 18.0
 {pp}{{{lab},position="2"}} 3.0
 vllm:generation_tokens_total{{{lab}}} 99.0
 """
-    after = sc.parse_metrics(text)
+    after = metrics.parse_metrics(text)
     assert after["found"] and after["drafts"] == 10 and after["accepted"] == 18
-    before = sc.parse_metrics(text.replace("10.0", "4.0").replace("18.0", "6.0"))
-    d = sc.metrics_delta(before, after)
+    before = metrics.parse_metrics(text.replace("10.0", "4.0").replace("18.0", "6.0"))
+    d = metrics.metrics_delta(before, after)
     assert d["drafts"] == 6 and d["accepted"] == 12
     assert d["mean_acceptance_length"] == 3.0
-    assert sc.metrics_delta(None, sc.parse_metrics("vllm:x_total 1")) is None
+    assert metrics.metrics_delta(None, metrics.parse_metrics("vllm:x_total 1")) is None
 
 
 def _res(ids, text=None, finish="length", top=None):
-    r = sc.new_result()
+    r = client.new_result()
     r.update(
         token_ids=ids,
         text=text or " ".join(map(str, ids)),
@@ -363,7 +365,7 @@ def _res(ids, text=None, finish="length", top=None):
 
 
 def test_compare_judges_first_difference():
-    reqs = sc.build_requests("fastapply", 4, 0, 128)
+    reqs = prompts.build_requests("fastapply", 4, 0, 128)
     ref = [
         _res(
             [1, 2, 3],
@@ -377,19 +379,19 @@ def test_compare_judges_first_difference():
         _res([1, 2, 4]),  # second choice at a 1.9 gap: divergence
         _res([1, 2, 3], text="1 2 3 extra"),  # same ids, other text
     ]
-    rows = sc.compare(reqs, ref, cand, 0.05)
-    sc.finalize(rows)
+    rows = cmp.compare(reqs, ref, cand, 0.05)
+    cmp.finalize(rows)
     assert [r["status"] for r in rows] == ["match", "tie", "diverged", "diverged"]
     assert rows[1]["first"]["gap"] == pytest.approx(0.02)
-    s = sc.summarize(rows, 4)
+    s = cmp.summarize(rows, 4)
     assert s["verdict"] == "FAIL" and s["diverged"] == 2
-    assert sc.summarize(rows[:2], 2)["verdict"] == "PASS-TIES"
-    assert sc.summarize(rows[:1], 2)["verdict"] == "FAIL"  # one missing
+    assert cmp.summarize(rows[:2], 2)["verdict"] == "PASS-TIES"
+    assert cmp.summarize(rows[:1], 2)["verdict"] == "FAIL"  # one missing
 
 
 def test_request_sets_are_heterogeneous_and_fixed():
-    a = sc.build_requests("text", 64, 0, 128)
-    assert [asdict_(r) for r in a] == [asdict_(r) for r in sc.text_requests(64, 0)]
+    a = prompts.build_requests("text", 64, 0, 128)
+    assert [asdict_(r) for r in a] == [asdict_(r) for r in prompts.text_requests(64, 0)]
     kinds = {r.kind for r in a}
     assert kinds == {
         "completions-full",
@@ -400,7 +402,7 @@ def test_request_sets_are_heterogeneous_and_fixed():
     assert len({r.max_tokens for r in a}) > 10
     assert any(r.stop for r in a)
     assert any(r.messages and len(r.messages) == 4 for r in a)
-    f = sc.build_requests("fastapply", 8, 0, 128)
+    f = prompts.build_requests("fastapply", 8, 0, 128)
     p, ans = fa.make_eval_set(8, 0)[3]
     assert (f[3].prompt or f[3].messages[0]["content"]) == mm.prompt_text(p)
     assert f[3].expected == mm.prompt_text(ans[:-1])
@@ -558,10 +560,10 @@ def test_serve_check_usage_errors(tmp_path):
         env=subprocess_env(),
     )
     assert proc.returncode == 2 and "candidate" in proc.stderr
-    with pytest.raises(sc.CheckError):
-        sc.parse_spec("ngrm")
-    assert sc.parse_spec('{"method": "mtp", "num_speculative_tokens": 2}')["method"]
-    assert sc.parse_spec("none") is None
+    with pytest.raises(CheckError):
+        sv.parse_spec("ngrm")
+    assert sv.parse_spec('{"method": "mtp", "num_speculative_tokens": 2}')["method"]
+    assert sv.parse_spec("none") is None
 
 
 # -- lm-eval ---------------------------------------------------------------
@@ -599,33 +601,6 @@ def test_lm_eval_task_data():
     assert cfg["generation_kwargs"]["max_gen_toks"] >= max(
         r["answer_tokens"] for r in rows
     )
-
-
-def _lm_eval_env():
-    """lm_eval importable? ``SERVING_LMEVAL_PATH`` (os.pathsep list) is
-    prepended, e.g. a target made by install_lm_eval.sh plus the host-image
-    packages the CPU venv lacks (pandas, pyarrow, sacrebleu, scikit-learn,
-    xxhash)."""
-    extra = os.environ.get("SERVING_LMEVAL_PATH", "")
-    env = subprocess_env()
-    if extra:
-        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], extra])
-    probe = subprocess.run(
-        [PY, "-c", "import lm_eval.api.metrics, datasets, pyarrow"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return env if probe.returncode == 0 else None
-
-
-@pytest.fixture(scope="module")
-def lm_eval_env():
-    env = _lm_eval_env()
-    if env is None:
-        pytest.skip("lm_eval not importable (set SERVING_LMEVAL_PATH)")
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -668,13 +643,12 @@ def fake_fastapply_servers():
     "server,chat,want",
     [("good", False, 1.0), ("good", True, 1.0), ("bad", False, None)],
 )
-def test_lm_eval_runs_the_task(
-    lm_eval_env, fake_fastapply_servers, tmp_path, server, chat, want
-):
-    """lm-eval's local-completions / local-chat-completions models run the
-    task against the fake fast-apply oracle: exact match 1.0 (the server's
-    leading space ignored), below 1.0 for a wrong server."""
-    env = lm_eval_env
+def test_lm_eval_runs_the_task(fake_fastapply_servers, tmp_path, server, chat, want):
+    """lm-eval (a test bed requirement, the version the GPU host installs)
+    runs the task with its local-completions / local-chat-completions models
+    against the fake fast-apply oracle: exact match 1.0 (the server's leading
+    space ignored), below 1.0 for a wrong server."""
+    env = subprocess_env()
     a = sc.parse_args(
         [
             "--model",
@@ -687,13 +661,13 @@ def test_lm_eval_runs_the_task(
             "8",
         ]
     )
-    srv = sc.ServerSpec("x", None, url=fake_fastapply_servers[server])
-    cmd = sc.lm_eval_command(a, srv, tmp_path, chat)
+    srv = sv.ServerSpec("x", None, url=fake_fastapply_servers[server])
+    cmd = lmeval.lm_eval_command(a, srv, tmp_path, chat)
     proc = run_until_done(
         cmd, what=f"lm-eval against the {server!r} fake", cwd=tmp_path, env=env
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = sc.read_lm_eval(tmp_path, "fastapply")
+    res = lmeval.read_lm_eval(tmp_path, "fastapply")
     assert res["sample_len"] == 64
     em = res["exact_match,none"]
     if want is None:
@@ -705,24 +679,29 @@ def test_lm_eval_runs_the_task(
 # -- the GPU script, dry --------------------------------------------------------
 
 
-def test_install_lm_eval_pins_the_wheel_dir():
-    """The script's pins name exactly the wheels in .whl-lmeval (when that
-    ignored folder exists here)."""
+def test_install_lm_eval_pins_the_tested_versions():
+    """The wheels install_lm_eval.sh pins for the GPU host are the versions
+    the test bed installed (tests/requirements-cpu.txt's lm_eval and what it
+    resolved to), so the host runs the lm-eval tested here; and, where the
+    ignored .whl-lmeval folder was downloaded, exactly those wheels."""
+    from importlib.metadata import version
+
     text = (REPO / "serving" / "install_lm_eval.sh").read_text()
     pins = [ln.strip() for ln in text.split("WHEELS=(", 1)[1].split(")", 1)[0].split()]
     assert "lm_eval==0.4.13" in pins
-    whl = REPO / ".whl-lmeval"
-    if not whl.is_dir():
-        pytest.skip(".whl-lmeval not downloaded here")
+    want = {p.split("==")[0]: p.split("==")[1] for p in pins}
+    assert {name: version(name) for name in want} == want
 
     def norm(s):
         return s.lower().replace("-", "_")
 
-    have = {
-        (norm(f.name.split("-")[0]), f.name.split("-")[1]) for f in whl.glob("*.whl")
-    }
-    want = {(norm(p.split("==")[0]), p.split("==")[1]) for p in pins}
-    assert have == want
+    whl = REPO / ".whl-lmeval"
+    if whl.is_dir():
+        have = {
+            (norm(f.name.split("-")[0]), f.name.split("-")[1])
+            for f in whl.glob("*.whl")
+        }
+        assert have == {(norm(k), v) for k, v in want.items()}
 
 
 @pytest.mark.parametrize("step", ["fastapply", "qwen9b"])
@@ -829,10 +808,10 @@ def test_vllm_serve_cli_accepts_the_flags(qwen35_serve_flags, parse_serve_args):
         a = sc.parse_args(
             ["--model", "/m", "--engine-args", engine, "--vllm-cmd", "vllm"]
         )
-        cmd = sc.server_command(a, sc.ServerSpec("x", sc.parse_spec(spec), port=8100))
+        cmd = sv.server_command(a, sv.ServerSpec("x", sv.parse_spec(spec), port=8100))
         assert cmd[:3] == ["vllm", "serve", "/m"]
         cmds.append(cmd[2:])
-        want.append((attn, sc.PRESETS[spec]))
+        want.append((attn, sv.PRESETS[spec]))
     res = parse_serve_args(
         cmds,
         ["model_tag", "attention_backend", "gdn_prefill_backend",
@@ -849,3 +828,45 @@ def test_vllm_serve_cli_accepts_the_flags(qwen35_serve_flags, parse_serve_args):
         assert got["speculative_config"] == spec
         assert got["served_model_name"] == ["model"]
         assert got["disable_uvicorn_access_log"] is True
+
+
+# -- the package's entry point ----------------------------------------------
+
+
+@pytest.mark.parametrize("package", ["serving", "benchmarks"])
+def test_package_entry_point_lists_and_dispatches_every_job(package, capsys):
+    """``python -m PACKAGE --help`` names every job with its module; each
+    job's module has the ``main`` it dispatches to; a job's ``--help`` is
+    that module's own; an unknown job is a usage error."""
+    import importlib
+
+    # benchmarks/__main__.py guards its sys.exit; serving's is serving.cli's
+    cli = importlib.import_module(
+        "serving.cli" if package == "serving" else "benchmarks.__main__"
+    )
+    assert "--help" in importlib.import_module(package).__doc__
+    assert cli.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for job in cli.JOBS:
+        assert f"  {job.name} " in text and f"[{job.module}]" in text.replace(
+            "\n      ", " "
+        )
+        mod = importlib.import_module(job.module)
+        assert callable(mod.main), job.module
+    assert cli.main([]) == 2
+    assert cli.main(["no-such-job"]) == 2
+    assert "unknown job 'no-such-job'" in capsys.readouterr().err
+    first = cli.JOBS[0]
+    try:
+        rc = cli.main([first.name, "--help"])
+    except SystemExit as e:  # argparse's --help
+        rc = e.code
+    assert rc == 0
+    assert first.module.split(".")[-1] in capsys.readouterr().out
+    proc = run_until_done(
+        [PY, "-m", package, "--help"],
+        what=f"python -m {package} --help",
+        cwd=REPO,
+        env=subprocess_env(),
+    )
+    assert proc.returncode == 0 and proc.stdout == text
