@@ -336,7 +336,8 @@ def second_wave(prompts, continuations, seed: int, tail: int = 4):
     return out
 
 
-def generate(cell: Cell, model_dir: str, waves, logprobs: int | None):
+def generate(cell: Cell, model_dir: str, waves, logprobs: int | None,
+             batches: list[int] | None = None):  # fmt: skip
     """Greedy outputs of each wave of prompts in turn (one engine, so later
     waves can hit the prefix cache of earlier ones), ``cell.batch`` requests
     in flight."""
@@ -353,9 +354,12 @@ def generate(cell: Cell, model_dir: str, waves, logprobs: int | None):
             logprobs=logprobs,
         )
         outs = []
-        for prompts in waves:
-            for i in range(0, len(prompts), cell.batch):
-                chunk = prompts[i : i + cell.batch]
+        for w, prompts in enumerate(waves):
+            # batches: requests submitted together per wave (the drift
+            # oracle's floor resubmits a wave in smaller batches)
+            b = batches[w] if batches else cell.batch
+            for i in range(0, len(prompts), b):
+                chunk = prompts[i : i + b]
                 outs += llm.generate(
                     [TokensPrompt(prompt_token_ids=p) for p in chunk],
                     sp,
@@ -518,27 +522,22 @@ def run_cells(
                                 max_tokens=cell.max_tokens,
                                 kv_cache_dtype=cell.kv_cache_dtype)  # fmt: skip
                 waves = [cell_prompts(cell.model, n, seed)]
-                outs, _ = generate(ref_cell, model_dir, waves, logprobs=oracle.TOPK)
+                # each wave, then again in another batch composition in the
+                # same engine: the drift oracle's noise floor (fouts)
+                outs, fouts = oracle.with_floor(generate, ref_cell, model_dir,
+                                                waves[0], n)  # fmt: skip
                 if two_waves:
                     toks = [list(o.outputs[0].token_ids) for o in outs]
                     # fast-apply: the answer so far, in distribution
                     tail = 0 if cell.model == FASTAPPLY else 4
                     waves.append(second_wave(waves[0], toks, seed, tail))
-                    outs += generate(ref_cell, model_dir, waves[1:],
-                                     logprobs=oracle.TOPK)[0]  # fmt: skip
+                    o2, f2 = oracle.with_floor(generate, ref_cell, model_dir,
+                                               waves[1], n)  # fmt: skip
+                    outs, fouts = outs + o2, fouts + f2
                 refs[rkey] = (
                     reference_positions(outs),
                     [list(o.outputs[0].token_ids) for o in outs],
                     waves,
-                )
-                # the drift oracle's noise floor: a second non-speculative run
-                # in another batch composition (harness.oracle.floor_waves)
-                fwaves, fbatch = oracle.floor_waves(waves, n)
-                fcell = Cell(cell.model, "none", 0, fbatch, dtype=cell.dtype,
-                             max_tokens=cell.max_tokens,
-                             kv_cache_dtype=cell.kv_cache_dtype)  # fmt: skip
-                fouts = oracle.unreverse(
-                    generate(fcell, model_dir, fwaves, oracle.TOPK)[0], waves
                 )
                 floors[rkey] = (
                     oracle.output_lps(fouts),

@@ -17,8 +17,9 @@ log-probabilities on the same prefix:
 
 Noise floor (``Floor``): the same two quantities for non-speculative runs
 against the same teacher-forced reference, from two runs that differ only in
-batch composition (the reference run, and one with a third of the batch at a
-time in reverse order), plus the two runs against each other where their
+batch composition (the reference run, and the same prompts again in the
+same engine, in reverse order, a third of the batch at a time: ``with_floor``),
+plus the two runs against each other where their
 tokens agree. A non-speculative run's logprobs come from the decode path,
 the reference's from a prefill: the floor holds the kernel-path noise a
 correct speculative run also carries.
@@ -262,18 +263,18 @@ def _r(x: float) -> float | str:
     return round(x, 6) if math.isfinite(x) else "inf"
 
 
-def floor_waves(waves: Sequence[Sequence], batch: int) -> tuple[list[list], int]:
-    """The floor run's submission: each wave's prompts in reverse order, a
-    third of the reference batch at a time (another batch composition: other
-    neighbours, other row positions, other batch sizes). Returns the waves
-    and the batch; ``unreverse`` restores the reference order."""
-    return [list(reversed(w)) for w in waves], max(1, batch // 3)
+def floor_batch(batch: int) -> int:
+    """The floor run's batch: a third of the reference's (other neighbours,
+    other row positions, other batch sizes)."""
+    return max(1, batch // 3)
 
 
-def unreverse(outs: Sequence, waves: Sequence[Sequence]) -> list:
-    """Outputs of ``floor_waves``' submission back in the reference order."""
-    res, i = [], 0
-    for w in waves:
-        res += list(reversed(outs[i : i + len(w)]))
-        i += len(w)
-    return res
+def with_floor(generate, cell, model_dir: str, wave: list, batch: int):
+    """``generate`` (harness.equivalence's) one wave of prompts ``batch`` at
+    a time, then the same wave again in the same engine, in reverse order,
+    ``floor_batch(batch)`` at a time: ``(outputs, floor outputs)``, both in
+    the wave's order. Only the batch composition differs between the two."""
+    rev = list(reversed(wave))
+    outs, _ = generate(cell, model_dir, [wave, rev], TOPK,
+                       batches=[batch, floor_batch(batch)])  # fmt: skip
+    return list(outs[: len(wave)]), list(reversed(outs[len(wave) :]))

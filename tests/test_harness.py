@@ -261,7 +261,7 @@ def test_run_cells_orchestration_with_a_fake_engine(tmp_path, monkeypatch):
         def __init__(self, v):
             self.logprob = v
 
-    def fake_generate(cell, model_dir, waves, logprobs):
+    def fake_generate(cell, model_dir, waves, logprobs, batches=None):
         outs = []
         prompts = [p for w in waves for p in w]
         for j, p in enumerate(prompts):

@@ -141,12 +141,19 @@ def test_divergence_still_caught_and_tie_tolerated():
     assert ref[0].logprobs == {1: -0.1, 2: -3.0}
 
 
-def test_floor_waves_round_trip():
-    waves = [[[1], [2], [3], [4]], [[5], [6]]]
-    fw, b = oracle.floor_waves(waves, 6)
-    assert b == 2 and fw == [[[4], [3], [2], [1]], [[6], [5]]]
-    outs = [x for w in fw for x in w]
-    assert oracle.unreverse(outs, waves) == [x for w in waves for x in w]
+def test_with_floor_same_engine_other_batches():
+    calls = []
+
+    def fake_generate(cell, model_dir, waves, logprobs, batches=None):
+        calls.append((waves, logprobs, batches))
+        return [f"out{p[0]}" for w in waves for p in w], {}
+
+    wave = [[1], [2], [3], [4], [5], [6]]
+    outs, fouts = oracle.with_floor(fake_generate, "cell", "dir", wave, 6)
+    ((waves, logprobs, batches),) = calls  # one engine
+    assert waves == [wave, wave[::-1]] and batches == [6, 2]
+    assert logprobs == oracle.TOPK
+    assert outs == fouts == [f"out{i}" for i in range(1, 7)]
 
 
 # ---------------------------------------------------------------------------
