@@ -139,6 +139,12 @@ def test_divergence_still_caught_and_tie_tolerated():
     v = verify(ref, [2, 4], tie_margin=0.05)
     assert (v.divergences, v.ties) == (1, 1)
     assert ref[0].logprobs == {1: -0.1, 2: -3.0}
+    # the candidate's own logprobs at the tie (its token is the second
+    # choice, values within the floor): no drift violation either
+    floor = oracle.Floor(token=0.01, topk=0.01, positions=1000)
+    d = oracle.CellDrift()
+    d.add(0, [{3: -0.695, 4: -0.695}], [ref[1].logprobs], [4])
+    assert d.judge(floor, "bfloat16")["drift_violations"] == 0
 
 
 def test_with_floor_same_engine_other_batches():
