@@ -10,6 +10,12 @@ teacher-forced forward per sequence and returns, at every continuation
 position, the ``{token: logprob}`` dict vLLM returns (top-k plus the
 sequence's token), so ``harness.oracle`` compares the two.
 
+Independence: transformers picks, per mixer, an optional kernel package
+where installed (GDN: ``fla``; Mamba2: ``mamba_ssm``, ``causal_conv1d``)
+and its own PyTorch implementation otherwise; the GPU host has none of
+them, so the reference shares no kernel with vLLM (the JSON records
+``kernel_packages``). float32 matmuls run without TF32 (``full_fp32``).
+
 Tolerance (``tolerance``): measured, not chosen. The same transformers
 forward in the dtype vLLM ran (bf16) against float32 gives the rounding
 drift of that dtype on these very weights and sequences; vLLM's kernels
@@ -33,6 +39,7 @@ recorded with its error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 from collections.abc import Sequence
@@ -60,6 +67,40 @@ def load(model_dir: str | Path, dtype: str = "float32", device: str = "cpu"):
     return model.to(device).eval()
 
 
+@contextlib.contextmanager
+def full_fp32():
+    """float32 matmuls at full precision: no TF32 (vLLM, in this process,
+    may have allowed it), restored afterwards."""
+    import torch
+
+    old = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+    )
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old[0]
+        torch.backends.cudnn.allow_tf32 = old[1]
+        torch.set_float32_matmul_precision(old[2])
+
+
+def kernel_packages() -> dict[str, bool]:
+    """Which optional kernel packages transformers would use instead of its
+    own PyTorch paths (GDN: fla; Mamba2: mamba_ssm, causal_conv1d). Without
+    them the reference shares no kernel with vLLM."""
+    import importlib.util
+
+    return {
+        p: importlib.util.find_spec(p) is not None
+        for p in ("fla", "mamba_ssm", "causal_conv1d")
+    }
+
+
 def forced_logprobs(
     model, seqs: Sequence[tuple[Sequence[int], Sequence[int]]], k: int = oracle.TOPK
 ) -> list[list[dict[int, float]]]:
@@ -73,7 +114,7 @@ def forced_logprobs(
     out = []
     for prompt, cont in seqs:
         ids = torch.tensor([list(prompt) + list(cont)], device=device)
-        with torch.no_grad():
+        with torch.no_grad(), full_fp32():
             logits = model(input_ids=ids).logits[0].float()
         lps = torch.log_softmax(logits, dim=-1)
         rows = []
@@ -161,6 +202,7 @@ def compare_kind(
         "kind": kind,
         "dtype": dtype,
         "sequences": len(seqs),
+        "kernel_packages": kernel_packages(),
         "generated": judge(drift(generated, fp32, seqs), rounding, dtype),
         "teacher_forced": judge(drift(forced, fp32, seqs), rounding, dtype),
     }

@@ -183,3 +183,19 @@ def test_compare_kind_wiring(fixture, monkeypatch, tmp_path):
     r = reference.compare_kind("qwen3_5", tmp_path, 3, "bfloat16", 0, 12)
     assert not r["teacher_forced"]["ok"] and not r["generated"]["ok"]
     assert r["teacher_forced"]["vllm"]["positions"] == 3 * 12
+
+
+def test_full_fp32_disables_tf32_and_restores():
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        with reference.full_fp32():
+            assert torch.get_float32_matmul_precision() == "highest"
+            assert not torch.backends.cuda.matmul.allow_tf32
+        assert torch.get_float32_matmul_precision() == "high"
+        assert torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.set_float32_matmul_precision(old)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    assert set(reference.kernel_packages()) == {"fla", "mamba_ssm", "causal_conv1d"}
