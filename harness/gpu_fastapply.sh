@@ -17,13 +17,14 @@ source "$R/harness/upstream_site.sh"
 export PYTHONUNBUFFERED=1
 case $1 in
 train)
+  make_site fork || exit 1
   PYTHONPATH=$(site_pythonpath fork) python3 -m harness.fastapply train \
     --out "$2" --device cuda --budget-s "${3:-210}" --eval-n 64 \
     --save-dtype bfloat16 2>&1 | tee "$OUT/logs/fastapply-train.log" | grep -v '"step"' | tail -5
   mkdir -p "$OUT/fastapply" && cp "$2"/* "$OUT/fastapply/"
   ;;
 eval)
-  if [[ " $3 " == *" upstream "* ]]; then make_upstream_site || exit 1; fi
+  for v in $3; do make_site "$v" || exit 1; done
   export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.2} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-4e9}
   pids=()
   for v in $3; do

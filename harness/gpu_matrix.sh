@@ -17,7 +17,7 @@ OUT=${OUT:-$R/out}
 mkdir -p "$OUT/equivalence" "$OUT/logs"
 # shellcheck disable=SC1091
 source "$R/harness/upstream_site.sh"
-for v in $VARIANTS; do [[ $v == fork ]] || make_upstream_site "$v" || exit 1; done
+for v in $VARIANTS; do make_site "$v" || exit 1; done
 export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.1} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-2e9}
 pids=()
 for v in $VARIANTS; do

@@ -18,7 +18,7 @@ shift
 mkdir -p /tmp/forkroot && ln -sfn /tmp/hybridspec/repo/fork-tests /tmp/forkroot/tests
 TESTS=()
 for t in "$@"; do TESTS+=("tests/$t"); done
-for v in $VARIANTS; do [[ $v == fork ]] || make_upstream_site "$v" || exit 1; done
+for v in $VARIANTS; do make_site "$v" || exit 1; done
 # the offline hub cache the tests expect (generated configs, no weights)
 export HSFORK_HF_CACHE=/tmp/hsfork-hub HF_HUB_CACHE=/tmp/hsfork-hub HF_HUB_OFFLINE=1
 PYTHONPATH=$R:$PYTHONPATH python3 -m hsfork fixtures > /dev/null 2>&1 \

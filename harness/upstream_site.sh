@@ -1,34 +1,69 @@
 #!/usr/bin/env bash
-# Source from a GPU-host script: makes unpatched upstream sites from the
-# bundle's fork site by reversing the patch series, and defines
-# `site_pythonpath VARIANT` that prints the PYTHONPATH for a variant, the
-# repo first. Variants: fork; upstream (the whole series reversed, at
-# /tmp/upstream-site); upstream+NNNN[+MMMM...] (every patch reversed except
-# the numbered ones, e.g. upstream+0015: upstream with only patch 0015).
+# Source from a GPU-host script: makes the fork and unpatched upstream sites
+# from the bundle's site, and defines `site_pythonpath VARIANT` that prints
+# the PYTHONPATH for a variant, the repo first. Variants: fork (the line's
+# whole series); upstream (no patch); upstream+NNNN[+MMMM...] (only the
+# numbered patches).
+#
+# The bundle records in its manifest how many patches its site carries
+# (version label `+hybridspec.pN`). A bundle of the unpatched base (p0) is
+# the upstream site as it is, and the fork site is made by applying the
+# repository's series to a copy: one bundle then serves every revision of
+# the series. A bundle with the series in it is the fork site, and the
+# upstream sites are made by reversing patches.
 # Needs the bundle installed at /tmp/hybridspec and R = the repo root.
 # shellcheck disable=SC1091
 source /tmp/hybridspec/env.sh
 # the series of the bundle's line (env.sh sets HSFORK_BASE)
 PATCHES=${PATCHES:-$(cd "$R" && python3 -c 'from hsfork.common import patches_dir; print(patches_dir())')}
+BUNDLE_SITE=/tmp/hybridspec/site
+BUNDLE_PATCHES=$(python3 -c '
+import json, re, sys
+try:
+    v = json.load(open(sys.argv[1]))["version"]
+except OSError:
+    v = ""
+m = re.search(r"\+hybridspec\.p(\d+)", v)
+print(m[1] if m else -1)' /tmp/hybridspec/manifest.json)
 _site_dir() {
-  if [[ $1 == upstream ]]; then echo /tmp/upstream-site; else echo "/tmp/site-$1"; fi
+  case $1 in
+    fork) if ((BUNDLE_PATCHES == 0)); then echo /tmp/fork-site; else echo $BUNDLE_SITE; fi ;;
+    upstream) if ((BUNDLE_PATCHES == 0)); then echo $BUNDLE_SITE; else echo /tmp/upstream-site; fi ;;
+    *) echo "/tmp/site-$1" ;;
+  esac
 }
-make_upstream_site() {
-  local variant=${1:-upstream} dir series i keep
+_wanted() {  # is series entry $2 part of variant $1?
+  local n
+  [[ $1 == fork ]] && return 0
+  for n in ${1//+/ }; do [[ $2 == "$n"-* ]] && return 0; done
+  return 1
+}
+make_site() {
+  local variant=${1:-upstream} dir series i
   dir=$(_site_dir "$variant")
   [[ -d $dir ]] && return 0
-  cp -r /tmp/hybridspec/site "$dir"
-  mapfile -t series < "$PATCHES/series"
-  for ((i=${#series[@]}-1; i>=0; i--)); do
-    keep=0
-    for n in ${variant//+/ }; do [[ ${series[$i]} == "$n"-* ]] && keep=1; done
-    ((keep)) && continue
-    (cd "$dir" && git apply -R --include='vllm/*' "$PATCHES/${series[$i]}") \
-      || { echo "reverse-apply failed: ${series[$i]}"; return 1; }
-  done
+  mapfile -t series < <(grep -v '^\s*$' "$PATCHES/series" 2>/dev/null)
+  if ((BUNDLE_PATCHES == 0)); then
+    cp -r $BUNDLE_SITE "$dir"
+    for ((i=0; i<${#series[@]}; i++)); do
+      _wanted "$variant" "${series[$i]}" || continue
+      (cd "$dir" && git apply --include='vllm/*' "$PATCHES/${series[$i]}") \
+        || { echo "apply failed: ${series[$i]}"; rm -rf "$dir"; return 1; }
+    done
+  else
+    cp -r $BUNDLE_SITE "$dir"
+    for ((i=${#series[@]}-1; i>=0; i--)); do
+      _wanted "$variant" "${series[$i]}" && continue
+      (cd "$dir" && git apply -R --include='vllm/*' "$PATCHES/${series[$i]}") \
+        || { echo "reverse-apply failed: ${series[$i]}"; rm -rf "$dir"; return 1; }
+    done
+  fi
+  echo "[site] $variant: $dir"
 }
+# the old name, for scripts that make only upstream sites
+make_upstream_site() { make_site "$@"; }
 site_pythonpath() {
-  local site=/tmp/hybridspec/site
-  [[ $1 != fork ]] && site=$(_site_dir "$1")
-  echo "$R:${PYTHONPATH//\/tmp\/hybridspec\/site/$site}"
+  local site
+  site=$(_site_dir "$1")
+  echo "$R:${PYTHONPATH//$BUNDLE_SITE/$site}"
 }
