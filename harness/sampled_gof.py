@@ -26,6 +26,11 @@ from .sampled import (
 )
 
 
+# logprobs per conditional (vLLM's default max_logprobs): the support needs
+# top_k of them, the planned "truncation" bug the mass beyond top_k
+PLAN_LOGPROBS = 20
+
+
 def exact_conditionals(llm, prompt: list[int], p: Preset, length: int) -> dict:
     """``{prefix: raw top-k logprobs}`` for every prefix of up to
     ``length - 1`` tokens in the support: the logprobs of one greedy step
@@ -33,7 +38,8 @@ def exact_conditionals(llm, prompt: list[int], p: Preset, length: int) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    k = max(p.top_k, TOPK)
+    # more than top_k: the "truncation" bug's untruncated distribution
+    k = max(p.top_k, TOPK, PLAN_LOGPROBS)
     sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k)
     conds: dict[tuple, dict] = {}
     frontier = [()]
