@@ -25,7 +25,6 @@ from .sampled import (
     target_dist,
 )
 
-
 # logprobs per conditional (vLLM's default max_logprobs): the support needs
 # top_k of them, the planned "truncation" bug the mass beyond top_k
 PLAN_LOGPROBS = 20
