@@ -24,7 +24,9 @@ tokens agree. A non-speculative run's logprobs come from the decode path,
 the reference's from a prefill: the floor holds the kernel-path noise a
 correct speculative run also carries.
 
-Threshold (``threshold``): ``factor * max(floor, eps(dtype))``. The factor
+Threshold (``threshold``): ``factor * max(floor, eps(dtype))``, and never
+below the floor plus two rounding steps at the position's magnitude
+(``allowance``). The factor
 is derived, not chosen: if drift has (at most) exponential tails with scale
 s, the largest of N floor positions is about s ln N, so a position of a
 correct cell exceeds ``c * max_N`` with probability about ``N**-c``; over the
@@ -94,22 +96,28 @@ class PositionDrift:
     token: float  # |lp_cand(tok) - lp_ref(tok)|
     topk: float  # largest (proven) drift over the union of the top-k sets
     set_changed: bool  # the top-k sets differ
+    # magnitude of the log-probabilities behind ``token`` and ``topk``: the
+    # size of one rounding step there (``allowance``)
+    token_mag: float = 0.0
+    topk_mag: float = 0.0
 
 
-def _topk_drift(cand: LP, ref: LP, k: int) -> tuple[float, bool]:
-    """Largest proven drift over the union of both top-k sets, and whether
-    the sets differ."""
+def _topk_drift(cand: LP, ref: LP, k: int) -> tuple[float, bool, float]:
+    """Largest proven drift over the union of both top-k sets, whether the
+    sets differ, and the magnitude of the values behind that drift."""
     top_c, top_r = _topk(cand, k), _topk(ref, k)
     if any(_bad(v) for _, v in top_c + top_r):
-        return math.inf, True
-    worst = 0.0
+        return math.inf, True, 0.0
+    worst, mag = 0.0, 0.0
     if top_c and top_r:
         kth_c, kth_r = top_c[-1][1], top_r[-1][1]
-        for t, v in top_c:
-            worst = max(worst, abs(v - ref[t]) if t in ref else max(0.0, v - kth_r))
-        for t, v in top_r:
-            worst = max(worst, abs(v - cand[t]) if t in cand else max(0.0, v - kth_c))
-    return worst, {t for t, _ in top_c} != {t for t, _ in top_r}
+        pairs = [(v, ref.get(t, kth_r), t in ref) for t, v in top_c]
+        pairs += [(v, cand.get(t, kth_c), t in cand) for t, v in top_r]
+        for v, other, both in pairs:
+            d = abs(v - other) if both else max(0.0, v - other)
+            if d > worst:
+                worst, mag = d, max(abs(v), abs(other))
+    return worst, {t for t, _ in top_c} != {t for t, _ in top_r}, mag
 
 
 def position_drift(cand: LP, ref: LP, token: int, k: int = TOPK) -> PositionDrift:
@@ -121,8 +129,11 @@ def position_drift(cand: LP, ref: LP, token: int, k: int = TOPK) -> PositionDrif
     if _bad(a) or _bad(b):
         return PositionDrift(math.inf, math.inf, True)
     tok = 0.0 if a == b else abs(a - b)
-    top, changed = _topk_drift(cand, ref, k)
-    return PositionDrift(tok, max(tok, top), changed)
+    tok_mag = max(abs(a), abs(b))
+    top, changed, top_mag = _topk_drift(cand, ref, k)
+    if tok >= top:
+        top, top_mag = tok, tok_mag
+    return PositionDrift(tok, top, changed, tok_mag, top_mag)
 
 
 def sequence_drift(
@@ -169,8 +180,8 @@ class Floor:
             self._add([position_drift(a[i], b[i], ta[i])])
         if n < min(len(ta), len(tb)):
             # same prefix, different tokens: the top-k still must agree
-            top, changed = _topk_drift(a[n], b[n], TOPK)
-            self._add([PositionDrift(0.0, top, changed)])
+            top, changed, mag = _topk_drift(a[n], b[n], TOPK)
+            self._add([PositionDrift(0.0, top, changed, 0.0, mag)])
 
     def to_dict(self) -> dict:
         return {"token": self.token, "topk": self.topk, "positions": self.positions}
@@ -196,6 +207,17 @@ def factor(floor_positions: int, cell_positions: int, alpha: float = ALPHA) -> f
 
 def threshold(floor_value: float, dtype: str, c: float) -> float:
     return c * max(floor_value, EPS[dtype])
+
+
+def allowance(floor_value: float, dtype: str, magnitude: float) -> float:
+    """The floor plus two rounding steps at ``magnitude``: logits are
+    rounded to ``dtype`` before the log-softmax, so two correct runs whose
+    logits differ in the last bit differ in a log-probability of size
+    ``magnitude`` by about ``EPS * magnitude`` each way. A deep-tail top-k
+    entry (log-probability -40) moves in steps of 0.125-0.25 in bf16; the
+    floor, a maximum over a few positions, need not have met the largest
+    such step, and a drift is quantised, not exponential, at that scale."""
+    return floor_value + 2 * EPS[dtype] * magnitude
 
 
 @dataclass
@@ -231,7 +253,9 @@ class CellDrift:
         violations = 0
         first = None
         for prompt, pos, tok, d in self.drifts:
-            if d.token > thr_tok or d.topk > thr_top:
+            lim_tok = max(thr_tok, allowance(floor.token, dtype, d.token_mag))
+            lim_top = max(thr_top, allowance(floor.topk, dtype, d.topk_mag))
+            if d.token > lim_tok or d.topk > lim_top:
                 violations += 1
                 if first is None:
                     first = {

@@ -66,11 +66,30 @@ def test_position_drift_values_and_lower_bounds():
     # token 4: in cand's top-3 only, ref value <= ref's 3rd (-3.0): >= 0.5
     assert d.topk == pytest.approx(0.5)
     assert d.set_changed
-    assert oracle.position_drift(ref, ref, 2, k=3) == oracle.PositionDrift(
-        0.0, 0.0, False
-    )
+    same = oracle.position_drift(ref, ref, 2, k=3)
+    assert (same.token, same.topk, same.set_changed) == (0.0, 0.0, False)
     nan = oracle.position_drift({1: float("nan"), 2: -1.0}, ref, 1, k=3)
     assert nan.token == math.inf
+
+
+def test_deep_tail_rounding_step_is_allowed_a_real_drift_is_not():
+    # A top-5 entry at log-probability -40 moves in bf16 steps of 0.25: a
+    # floor of one step and a candidate 1.5 steps off (the logits rounded
+    # the other way) is noise; one nat off at the same depth is not.
+    floor = oracle.Floor()
+    floor.token, floor.topk, floor.positions = 0.0, 0.25, 1000
+    ref = {1: -0.01, 2: -5.0, 3: -40.0}
+
+    def judged(cand):
+        cell = oracle.CellDrift()
+        cell.add(0, [cand], [ref], [1])
+        return cell.judge(floor, "bfloat16")["drift_violations"]
+
+    assert judged({1: -0.01, 2: -5.0, 3: -40.375}) == 0
+    assert judged({1: -0.01, 2: -5.0, 3: -41.0}) == 1
+    # near zero the allowance is the floor alone: the emitted token's
+    # log-probability may not move by a nat
+    assert judged({1: -1.01, 2: -5.0, 3: -40.0}) == 1
 
 
 def test_factor_follows_sample_sizes():
