@@ -180,6 +180,18 @@ def _bench_entry():
     from vllm.entrypoints.cli.benchmark.serve import BenchmarkServingSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    # One tokenizer per process, as vLLM's own cached_get_tokenizer: every
+    # concurrency of a server loads the same one, and loading it from a
+    # folder without config.json (the fast-apply fixture's tokenizer/) costs
+    # vLLM's config retry, a 2 s sleep, each time.
+    with contextlib.suppress(ImportError, AttributeError):
+        import functools
+
+        import vllm.benchmarks.serve as bench_serve
+
+        if not hasattr(bench_serve.get_tokenizer, "cache_info"):
+            bench_serve.get_tokenizer = functools.lru_cache(bench_serve.get_tokenizer)
+
     def parse(argv: list[str]) -> argparse.Namespace:
         parser = FlexibleArgumentParser(prog="vllm bench serve")
         BenchmarkServingSubcommand.add_cli_args(parser)

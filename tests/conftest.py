@@ -229,8 +229,10 @@ def qwen35_serve_flags() -> str:
     ).stdout.strip()
 
 
-SERVE_PARSE_SCRIPT = r"""
-import json, sys
+# A worker that imports vLLM once (seconds on a CPU host) and then parses one
+# request per stdin line: {"cmds": [...], "fields": [...]} -> a RESULT line.
+SERVE_PARSE_WORKER = r"""
+import json, sys, traceback
 try:  # v0.33.0
     from vllm.entrypoints.common.cli_args import (
         make_arg_parser, validate_parsed_serve_args)
@@ -238,35 +240,69 @@ except ImportError:  # v0.26.0
     from vllm.entrypoints.openai.cli_args import (
         make_arg_parser, validate_parsed_serve_args)
 from vllm.utils.argparse_utils import FlexibleArgumentParser
-fields = json.loads(sys.argv[2])
-out = []
-for cmd in json.loads(sys.argv[1]):
-    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd)
-    validate_parsed_serve_args(ns)
-    out.append({k: getattr(ns, k) for k in fields})
-print("RESULT " + json.dumps(out, default=str), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    try:
+        out = []
+        for cmd in req["cmds"]:
+            ns = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd)
+            validate_parsed_serve_args(ns)
+            out.append({k: getattr(ns, k) for k in req["fields"]})
+        print("RESULT " + json.dumps(out, default=str), flush=True)
+    except BaseException:
+        print("ERROR " + json.dumps(traceback.format_exc()), flush=True)
 """
 
 
-@pytest.fixture
-def parse_serve_args(tmp_path):
+@pytest.fixture(scope="session")
+def parse_serve_args(tmp_path_factory):
     """``parse(cmds, fields)``: each argument list of ``vllm serve`` (without
     ``vllm serve``) through the installed vLLM's own serve parser and
-    validation, in a subprocess on the CPU test bed; the requested fields of
-    each parsed namespace."""
+    validation, in one worker process on the CPU test bed shared by the
+    session; the requested fields of each parsed namespace."""
+    import threading
+
+    d = tmp_path_factory.mktemp("parse_serve")
+    (d / "worker.py").write_text(SERVE_PARSE_WORKER)
+    err_fh = open(d / "stderr.log", "w")  # noqa: SIM115 - closed at the end
+    proc = subprocess.Popen(
+        [sys.executable, str(d / "worker.py")],
+        cwd=d,
+        env=subprocess_env(HSFORK_CPU_TESTBED="1", VLLM_LOGGING_LEVEL="ERROR"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=err_fh,
+        text=True,
+    )
+
+    def answer() -> str:
+        """The worker's next RESULT or ERROR line (other output skipped)."""
+        got: list[str] = []
+
+        def read():
+            for line in proc.stdout:
+                if line.startswith(("RESULT ", "ERROR ")):
+                    got.append(line)
+                    return
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(HANG_GUARD_S)  # a guard against hangs only
+        if not got:
+            err = (d / "stderr.log").read_text()[-3000:]
+            state = "hung" if t.is_alive() else f"exited ({proc.poll()})"
+            pytest.fail(f"vllm serve's parser worker {state} before answering:\n{err}")
+        return got[0]
 
     def parse(cmds: list[list[str]], fields: list[str]) -> list[dict]:
-        script = tmp_path / "parse_serve.py"
-        script.write_text(SERVE_PARSE_SCRIPT)
-        proc = run_until_done(
-            [sys.executable, str(script), json.dumps(cmds), json.dumps(fields)],
-            what="vllm serve's parser in a subprocess",
-            cwd=tmp_path,
-            env=subprocess_env(HSFORK_CPU_TESTBED="1", VLLM_LOGGING_LEVEL="ERROR"),
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        assert lines, proc.stdout[-3000:]
-        return json.loads(lines[-1][7:])
+        proc.stdin.write(json.dumps({"cmds": cmds, "fields": fields}) + "\n")
+        proc.stdin.flush()
+        line = answer()
+        assert line.startswith("RESULT "), json.loads(line[6:])
+        return json.loads(line[7:])
 
-    return parse
+    yield parse
+    proc.kill()  # holds nothing; its interpreter's exit takes seconds
+    proc.wait()
+    proc.stdin.close()
+    err_fh.close()

@@ -445,8 +445,12 @@ def test_server_that_never_comes_up(tmp_path):
 
 def test_gpu_serve_bench_dry_run_fastapply(tmp_path):
     """gpu_serve_bench.sh fastapply against fake servers (fast-apply
-    oracle) with the real ``vllm bench serve`` client: two specs x fork and
-    upstream, two concurrencies, the tarball and table in $OUT."""
+    oracle) with the real ``vllm bench serve`` client: the n-gram spec on
+    fork and upstream, two concurrencies, every field the summary reads in
+    the client's own result JSONs, the tarball and table in $OUT. (The
+    speculation-over-none table and the pair interleaving, the same code
+    over the same fields, run end to end in the stub-client dry run below:
+    the real client costs a vLLM import per server.)"""
     if not HAVE_VLLM:
         pytest.skip("vLLM is not installed here")
     out = tmp_path / "out"
@@ -456,7 +460,7 @@ def test_gpu_serve_bench_dry_run_fastapply(tmp_path):
         PYTHON=PY,
         OUT=str(out),
         BENCH_WORK=str(tmp_path / "work"),
-        BENCH_SPECS="none,ngram",
+        BENCH_SPECS="ngram",
         BENCH_CONC="1,4",
         BENCH_BUDGET="0",  # no budget: the dry run waits for each step
         BENCH_ARGS=f"--port {free_port()} --cache-root {tmp_path}/cache "
@@ -476,31 +480,28 @@ def test_gpu_serve_bench_dry_run_fastapply(tmp_path):
         names = set(t.getnames())
         run = json.load(t.extractfile("fastapply/runs/fastapply-ngram-fork-c4.json"))
         meta = json.load(t.extractfile("fastapply/meta.json"))
-    for spec in ("none", "ngram"):
-        for v in ("fork", "upstream"):
-            for c in (1, 4):
-                assert f"fastapply/runs/fastapply-{spec}-{v}-c{c}.json" in names
+    for v in ("fork", "upstream"):
+        for c in (1, 4):
+            assert f"fastapply/runs/fastapply-ngram-{v}-c{c}.json" in names
     assert {"fastapply/fastapply.json", "fastapply/fastapply.md"} <= names
     assert run["max_concurrency"] == 4 and run["completed"] == 16
     assert run["spec"] == "ngram" and run["variant"] == "fork"
     assert run["spec_decode_acceptance_length"] == pytest.approx(4.0)
-    assert [s["name"] for s in meta["servers"]] == [
-        "none-fork",
-        "none-upstream",
-        "ngram-upstream",
-        "ngram-fork",
-    ]
+    # vLLM's result JSON holds every metric the summary reads
+    assert [k for k in sr.METRICS if k not in run] == []
+    assert [s["name"] for s in meta["servers"]] == ["ngram-fork", "ngram-upstream"]
     assert set(meta["exact_match"].values()) == {1.0}
+    assert len(meta["exact_match"]) == 4
     md = (out / "fastapply.md").read_text()
-    assert "## Speculation over no speculation" in md
-    assert "| ngram | fork | 4 |" in md
+    assert "| ngram | fork | 4 |" in md and "## Fork / upstream" in md
 
 
 def test_gpu_serve_bench_dry_run_qwen9b_stub_bench(tmp_path):
     """gpu_serve_bench.sh qwen9b with the shrunk 9B checkpoint written on
     the CPU, a CPU bandwidth measurement, fake servers and a stubbed
-    ``vllm bench serve`` (``--bench-cli``): the floor and the fork/upstream
-    table come out of the JSONs."""
+    ``vllm bench serve`` (``--bench-cli``): the floor, the fork/upstream
+    table and the speculation-over-none table come out of the JSONs; the
+    servers run one at a time, fork and upstream interleaved pair by pair."""
     pytest.importorskip("torch")
     out = tmp_path / "out"
     stub = tmp_path / "stub_bench.py"
@@ -519,6 +520,7 @@ def test_gpu_serve_bench_dry_run_qwen9b_stub_bench(tmp_path):
         BENCH_ARGS=f"--port {free_port()} --cache-root {tmp_path}/cache "
         "--server-estimate 10",
         BENCH_CLI=f"{PY} {stub}",
+        BENCH_SPECS="none,ngram",
     )
     proc = run_until_done(
         ["bash", str(REPO / "benchmarks" / "gpu_serve_bench.sh"), "qwen9b"],
@@ -533,8 +535,20 @@ def test_gpu_serve_bench_dry_run_qwen9b_stub_bench(tmp_path):
         meta = json.load(t.extractfile("qwen9b/meta.json"))
     assert meta["weights"]["decode_bytes"] > 0 and meta["bandwidth"]["copy_gbps"] > 0
     assert meta["config"]["concurrency"] == [1, 8, 32, 64]
-    rows = {(r["variant"], r["conc"]) for r in summary["rows"]}
-    assert rows == {(v, c) for v in ("fork", "upstream") for c in (1, 8, 32, 64)}
+    rows = {(r["spec"], r["variant"], r["conc"]) for r in summary["rows"]}
+    assert rows == {
+        (s, v, c)
+        for s in ("none", "ngram")
+        for v in ("fork", "upstream")
+        for c in (1, 8, 32, 64)
+    }
+    assert [s["name"] for s in meta["servers"]] == [
+        "none-fork",
+        "none-upstream",
+        "ngram-upstream",
+        "ngram-fork",
+    ]
+    assert len(summary["speedups"]) == 8
     fl = summary["weight_read_floor"]
     assert fl["floor_ms"] == pytest.approx(
         wf.weight_read_floor_ms(meta["weights"]["decode_bytes"], fl["copy_gbps"])
@@ -542,7 +556,9 @@ def test_gpu_serve_bench_dry_run_qwen9b_stub_bench(tmp_path):
     assert set(fl["bs1"]) == {"fork", "upstream"}
     r1 = next(q for q in summary["fork_over_upstream"] if q["conc"] == 1)
     assert r1["tpot_ratio"] == pytest.approx(6.05 / 6.15)
-    assert "weight-read floor" in (out / "qwen9b.md").read_text()
+    md = (out / "qwen9b.md").read_text()
+    assert "weight-read floor" in md
+    assert "## Speculation over no speculation" in md
 
 
 def test_summary_cli_merges_folders(tmp_path):
