@@ -47,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("testbed", help="create or update the line's CPU test bed venv")
     p = sub.add_parser("fixtures", help="write the offline model cache")
     p.add_argument("--out", default=None)
+    p = sub.add_parser("pr", help="the upstream PR package: branches, descriptions")
+    p.add_argument("--signoff", default=None, help="'Name <email>' to sign off with")
+    p.add_argument("--out", default=None, help="default: build/<tag>/pr")
+    p.add_argument("--check", action="store_true", help="lint and red/green tests")
+    p.add_argument("--list", action="store_true", help="print the PR table")
     args = ap.parse_args(argv)
     if args.base:
         os.environ["HSFORK_BASE"] = args.base
@@ -100,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
             from .fixtures import write_model_cache
 
             print(write_model_cache(args.out))
+        elif args.cmd == "pr":
+            from .pr import list_package, make_package
+
+            if not args.list:
+                make_package(args.signoff, out=args.out, check=args.check)
+            print(list_package(out=args.out))
     except ToolError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
