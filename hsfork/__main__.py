@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="default: build/<tag>/pr")
     p.add_argument("--check", action="store_true", help="lint and red/green tests")
     p.add_argument("--list", action="store_true", help="print the PR table")
+    p.add_argument(
+        "--only", default="", help="check only these PRs: NN[,NN...] (with --check)"
+    )
     args = ap.parse_args(argv)
     if args.base:
         os.environ["HSFORK_BASE"] = args.base
@@ -109,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
             from .pr import list_package, make_package
 
             if not args.list:
-                make_package(args.signoff, out=args.out, check=args.check)
+                only = [f"{int(n):02d}" for n in args.only.split(",") if n.strip()]
+                make_package(
+                    args.signoff, out=args.out, check=args.check, only=only or None
+                )
             print(list_package(out=args.out))
     except ToolError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -71,6 +71,8 @@ _TRAILER_RE = re.compile(r"^([A-Za-z][A-Za-z0-9-]*): (\S.*)$")
 # "Testing:", ...); an unlabelled paragraph continues the one before it.
 _LABEL_RE = re.compile(r"^([A-Z][A-Za-z ]{0,30}?)(?: \([^)]*\))?:(?:\s|$)")
 _TESTING_LABELS = ("testing", "tests", "test")
+# pytest plugins of the CPU test bed (see the Makefile's test-upstream)
+PYTEST_PLUGINS = ("hsfork.pytest_cpu_testbed",)
 
 
 # ---------------------------------------------------------------------------
@@ -601,7 +603,7 @@ def _paragraphs(body: str) -> list[tuple[str, str]]:
     return out
 
 
-def test_ids(patch: SeriesPatch) -> list[str]:
+def pytest_ids(patch: SeriesPatch) -> list[str]:
     """pytest node ids of the tests the patch adds: a new test module whole;
     in a changed one its new module-level test functions (``file::test_x``),
     else the whole module."""
@@ -659,12 +661,10 @@ def describe(
     for n in entry.fixes:
         summary.append(f"Fixes #{n}")
     if entry.stacks_on:
-        names = ", ".join(
-            f"`{by_nn[d].branch}` ({by_nn[d].title})" for d in entry.stacks_on
-        )
+        names = ", ".join(f'"{by_nn[d].title}"' for d in entry.stacks_on)
         summary.append(
-            f"Stacks on {names}: this branch holds those commits below its own; "
-            "review the last commit only."
+            f"Depends on {names} (to be merged first): its commits sit below "
+            "this one on this branch; review the last commit only."
         )
     if entry.related:
         state_note = f" (states as of {as_of}; check before merging)" if as_of else ""
@@ -682,7 +682,7 @@ def describe(
             + ", ".join(f"`{t}`" for t in patch.test_files)
             + "."
         )
-    ids = test_ids(patch)
+    ids = pytest_ids(patch)
     plan: list[str] = []
     if ids:
         plan.append("```bash\npytest " + " \\\n    ".join(ids) + "\n```")
@@ -710,8 +710,7 @@ def describe(
     out = [
         *head,
         f"<!-- title: {patch.subject} -->",
-        f"<!-- branch: {entry.branch} "
-        f"(based on the {tag} release tag; rebase onto main before opening) -->",
+        f"<!-- based on the {tag} release tag: rebase onto main before opening -->",
         "",
     ]
     for heading, body in sections:
@@ -748,12 +747,14 @@ def _result_text(entry: PlanEntry, ids: list[str]) -> str:
             "- With the non-test part of the change reverted: "
             f"`{t['without_fix']['summary']}`."
         )
+        lines.extend(f"  - `{x}`" for x in t["without_fix"].get("failed_ids", []))
     if t.get("with_fix", {}).get("ok") and t.get("without_fix", {}).get("failed"):
         lines.append("- The tests fail without the fix and pass with it.")
     if t.get("where"):
         lines.append(f"- Run on {t['where']}.")
     for name, r in (c.get("lint") or {}).items():
-        lines.append(f"- `{name}`: {r['status']}.")
+        if not r.get("skipped"):
+            lines.append(f"- `{name}`: {r['status']}.")
     return "\n".join(lines)
 
 
@@ -805,6 +806,7 @@ def tools_env(tree: Path, out: Path) -> dict[str, str | None]:
         found[name] = str(exe)
     mypy = venv / "bin" / "mypy"
     found["mypy"] = str(mypy) if mypy.exists() else None
+    found["venv"] = str(venv)
     return found
 
 
@@ -854,8 +856,9 @@ def lint_branch(repo: Path, tools: dict, base: str) -> dict[str, dict]:
         )
     elif not typos:
         res["typos"] = {
-            "status": "skipped (typos did not install from the index)",
+            "status": "skipped: typos did not install from the index",
             "ok": True,
+            "skipped": True,
             "output": "",
         }
     mypy_hook = repo / "tools" / "pre_commit" / "mypy.py"
@@ -876,11 +879,14 @@ def lint_branch(repo: Path, tools: dict, base: str) -> dict[str, dict]:
             ),
         )
     elif py:
+        cfg = repo / ".pre-commit-config.yaml"
+        pinned = re.search(r"mypy==[\w.]+", cfg.read_text()) if cfg.exists() else None
+        spec = pinned.group(0) if pinned else "mypy"
         res["mypy"] = {
-            "status": "skipped (mypy is not installed in build/<tag>/pr-tools; "
-            "vLLM's hook follows imports through torch, too heavy for a CPU "
-            "package build)",
+            "status": f"skipped: not installed (vLLM's hook pins {spec}; "
+            f"pip install it into {tools.get('venv', 'the tools venv')} to run it)",
             "ok": True,
+            "skipped": True,
             "output": "",
         }
     return res
@@ -912,8 +918,7 @@ def run_tests(repo: Path, venv_python: Path, ids: list[str]) -> dict:
         "pytest",
         "-p",
         "no:cacheprovider",
-        "-p",
-        "hsfork.pytest_cpu_testbed",
+        *[a for name in PYTEST_PLUGINS for a in ("-p", name)],
         "-q",
         *ids,
     ]
@@ -923,14 +928,15 @@ def run_tests(repo: Path, venv_python: Path, ids: list[str]) -> dict:
         "ok": rc == 0,
         "failed": rc in (1, 2),
         "summary": _pytest_summary(out),
+        "failed_ids": re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M),
         "output": out[-6000:],
     }
 
 
-def test_branch(repo: Path, patch: SeriesPatch, venv_python: Path | None) -> dict:
+def red_green(repo: Path, patch: SeriesPatch, venv_python: Path | None) -> dict:
     """The patch's tests with its change (must pass) and with the non-test
     part of its commit reverted (must fail)."""
-    ids = test_ids(patch)
+    ids = pytest_ids(patch)
     if not ids:
         return {"status": "no tests added"}
     if venv_python is None or not venv_python.exists():
@@ -966,6 +972,11 @@ def out_dir(pin: Pin, out: str | Path | None = None) -> Path:
     return Path(out).resolve() if out else build_dir(pin) / "pr"
 
 
+def testbed_python(pin: Pin) -> Path:
+    """The interpreter of the line's CPU test bed (`make testbed`)."""
+    return venv_dir(pin) / "bin" / "python"
+
+
 def _cache_key(repo: Path, branch: str) -> str:
     return git(repo, "rev-parse", f"{branch}^{{tree}}").stdout.strip()
 
@@ -975,9 +986,12 @@ def make_package(
     out: str | Path | None = None,
     check: bool = False,
     pin: Pin | None = None,
+    only: list[str] | None = None,
 ) -> list[PlanEntry]:
     """Write the branches and descriptions of the line's series; with
-    ``check``, run the per-branch checks too. Returns the plan; raises
+    ``check``, run the per-branch checks too (of the PRs numbered in
+    ``only``, when given; results of earlier runs are reused while a branch's
+    tree is unchanged). Returns the plan; raises
     ToolError when a check fails (after writing everything)."""
     pin = pin or load_pin()
     pdir = patches_dir(pin)
@@ -998,7 +1012,7 @@ def make_package(
     patches = {p.nn: p for p in series}
     cache_dir = dest / "checks"
     tools: dict = {}
-    venv_python = venv_dir(pin) / "bin" / "python"
+    venv_python = testbed_python(pin)
     if check:
         cache_dir.mkdir(exist_ok=True)
         tools = tools_env(repo, dest.parent if out is None else dest)
@@ -1013,12 +1027,12 @@ def make_package(
             data = json.loads(cached.read_text())
             if data.get("key") == key:
                 e.checks = data["checks"]
-        if check and e.checks is None:
+        if check and e.checks is None and (not only or e.nn in only):
             info(f"checking {e.branch}")
             git(repo, "checkout", "-q", "-f", e.branch)
             e.checks = {
                 "lint": lint_branch(repo, tools, "HEAD~1"),
-                "tests": test_branch(repo, p, venv_python),
+                "tests": red_green(repo, p, venv_python),
             }
             cached.write_text(json.dumps({"key": key, "checks": e.checks}, indent=1))
         if check and e.checks:
