@@ -720,7 +720,7 @@ def test_gpu_serve_dry_run(tmp_path, step):
         SERVE_DEVICE="cpu",
         SERVE_TINY="1",
         SERVE_BUDGET="0",  # no budget: the dry run waits for each step
-        SERVE_ARGS=f"--port {free_port()} --n 16",
+        SERVE_ARGS=f"--port {free_port()} --n 16 --stagger 0",
     )
     proc = run_until_done(
         ["bash", str(REPO / "serving" / "gpu_serve.sh"), step],
