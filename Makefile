@@ -13,10 +13,10 @@ UPSTREAM_TESTS = $(shell grep -v '^\s*\(\#\|$$\)' patches/$(TAG)/upstream-tests.
 PYTEST_ARGS ?=
 
 .PHONY: help lines fetch sync export version wheel testbed fixtures lint test \
-	test-line test-ours test-upstream bundle clean
+	test-line test-ours test-upstream bundle clean pr
 
 help:
-	@echo "make [BASE=current|stable] lines | fetch | sync | export | version | wheel | test | lint | bundle | clean"
+	@echo "make [BASE=current|stable] lines | fetch | sync | export | version | wheel | test | lint | bundle | pr | clean"
 
 lines:
 	@$(HSFORK) lines
@@ -65,6 +65,15 @@ test-upstream:
 
 bundle: wheel
 	$(VENV_PY) -m hsfork bundle
+
+# The upstream PR package (docs/upstreaming.md): a branch and a description
+# per patch in build/<tag>/pr/, with upstream's checks and red/green tests
+# (CHECK= to skip them; PR_ARGS="--only 03,07" to check some).
+SIGNOFF ?=
+CHECK ?= --check
+PR_ARGS ?=
+pr:
+	$(HSFORK) pr --signoff "$(SIGNOFF)" $(CHECK) $(PR_ARGS)
 
 clean:
 	rm -rf build dist .cache/hf
