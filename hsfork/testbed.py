@@ -66,7 +66,9 @@ def _versions(pin: Pin) -> tuple[str, str, str]:
             f"torchvision=={tb['torchvision']}",
         )
     except KeyError as e:
-        raise ToolError(f"upstream.toml: line {pin.line!r} names no testbed_{e}")
+        raise ToolError(
+            f"upstream.toml: line {pin.line!r} names no testbed_{e}"
+        ) from None
 
 
 def _pip(*args: str) -> None:
