@@ -69,17 +69,22 @@ cmd=("$which_vllm" serve "$MODEL" --port "$PORT" --tokenizer "$MODEL/tokenizer"
 printf '%q ' "${cmd[@]}"; echo
 "${cmd[@]}" > /tmp/qs-server.log 2>&1 &
 pid=$!
-for _ in $(seq 300); do
-  curl -sf "localhost:$PORT/v1/models" > /dev/null && break
+# up when /v1/models answers; failed when the server exits; 600 s only
+# guards against a hang
+up=0
+for _ in $(seq 600); do
+  curl -sf "localhost:$PORT/v1/models" > /dev/null && { up=1; break; }
   kill -0 $pid 2>/dev/null || { tail -40 /tmp/qs-server.log; exit 1; }
   sleep 1
 done
+((up)) || { echo "gpu_quickstart: the server did not answer /v1/models in 600 s" >&2
+  tail -40 /tmp/qs-server.log; kill $pid; exit 1; }
 curl -s "localhost:$PORT/v1/models"; echo
 grep -E "Starting vLLM|speculative|Loading weights took|init engine" /tmp/qs-server.log \
   | cut -c1-220 | head -8
 
 prompt=$(PYTHONPATH=$R "$VENV/bin/python" - <<'EOF'
-from serving.serve_check import fastapply_requests
+from serving.prompts import fastapply_requests
 print(fastapply_requests(1, seed=3)[0].prompt)
 EOF
 )

@@ -870,3 +870,30 @@ def test_package_entry_point_lists_and_dispatches_every_job(package, capsys):
         env=subprocess_env(),
     )
     assert proc.returncode == 0 and proc.stdout == text
+
+
+def test_shell_scripts_name_modules_and_functions_that_exist():
+    """Every ``python -m serving.X`` / ``benchmarks.X`` and every ``from
+    serving.X import Y`` in the GPU scripts (whose GPU paths no CPU test
+    runs) names a module that has a ``main`` or the imported names."""
+    import importlib
+    import re
+
+    scripts = [
+        p
+        for d in ("serving", "benchmarks", "harness", "hsfork")
+        for p in sorted((REPO / d).glob("*.sh"))
+    ]
+    seen = 0
+    for path in scripts:
+        text = path.read_text()
+        for mod in re.findall(r"-m ((?:serving|benchmarks)\.\w+)", text):
+            assert callable(importlib.import_module(mod).main), (path.name, mod)
+            seen += 1
+        pat = r"from ((?:serving|benchmarks)\.\w+) import ([\w, ]+)"
+        for mod, names in re.findall(pat, text):
+            m = importlib.import_module(mod)
+            for name in (n.strip() for n in names.split(",")):
+                assert hasattr(m, name), (path.name, mod, name)
+                seen += 1
+    assert seen, "no module named in the scripts: the patterns are stale"
