@@ -71,6 +71,9 @@ class Cell:
     # engine arguments over the cell's own (e.g. max_num_batched_tokens,
     # max_num_seqs); "block_size" also goes to the scripted drafter
     extra: dict = field(default_factory=dict, hash=False, compare=False)
+    # (number, seed, shortest, longest) of the cell's own prompt draw
+    # (harness.fuzz); None: run_cells' prompt count and seed, 24..200 tokens
+    prompts: tuple[int, int, int, int] | None = None
 
     def key(self) -> dict:
         key = {
@@ -91,6 +94,8 @@ class Cell:
             key["engine"] = dict(sorted(self.extra.items()))
         if self.sampling != "greedy":
             key["sampling"] = self.sampling
+        if self.prompts is not None:
+            key["prompts"] = list(self.prompts)
         return key
 
 
@@ -120,12 +125,15 @@ def make_prompts(
     return prompts
 
 
-def cell_prompts(model: str, n: int, seed: int) -> list[list[int]]:
+def cell_prompts(
+    model: str, n: int, seed: int, lengths: tuple[int, int] = (24, 200)
+) -> list[list[int]]:
     """The prompts of a cell: the fast-apply task's held-out examples for the
-    trained fixture, ``make_prompts`` for the random-weight fixtures."""
+    trained fixture, ``make_prompts`` (``lengths``: shortest, longest) for
+    the random-weight fixtures."""
     if model == FASTAPPLY:
         return [list(p) for p, _ in make_eval_set(n, seed)]
-    return make_prompts(n, seed)
+    return make_prompts(n, seed, lo=lengths[0], hi=lengths[1])
 
 
 # ---------------------------------------------------------------------------
@@ -317,6 +325,10 @@ def _engine(cell: Cell, model_dir: str):
         drafter_mrv2.uninstall()  # a later MTP cell must not be scripted
     if cell.kv_cache_dtype.startswith("turboquant_"):
         turboquant_prefill()
+    from . import fuzz_pool
+
+    if (cell.extra.get("num_gpu_blocks_override") or 0) >= fuzz_pool.POOL_BASE:
+        fuzz_pool.install_pool_hook()  # the least pool that starts, plus slack
     return LLM(**engine_kwargs(cell, model_dir, spec_config(cell)))
 
 
@@ -513,15 +525,19 @@ def run_cells(
                 )
             model_dir = models[cell.model]
             write_drafter(cell, model_dir, seed)
-            n = max(n_prompts, cell.batch)
+            n = cell.prompts[0] if cell.prompts else max(n_prompts, cell.batch)
             two_waves = cell.cache_mode == "align"
             rkey = (cell.model, cell.dtype, n, cell.max_tokens, two_waves,
-                    cell.kv_cache_dtype)  # fmt: skip
+                    cell.kv_cache_dtype, cell.prompts)  # fmt: skip
             if rkey not in refs:
                 ref_cell = Cell(cell.model, "none", 0, n, dtype=cell.dtype,
                                 max_tokens=cell.max_tokens,
                                 kv_cache_dtype=cell.kv_cache_dtype)  # fmt: skip
-                waves = [cell_prompts(cell.model, n, seed)]
+                if cell.prompts:  # (n, seed, shortest, longest)
+                    _, pseed, lo, hi = cell.prompts
+                    waves = [cell_prompts(cell.model, n, pseed, (lo, hi))]
+                else:
+                    waves = [cell_prompts(cell.model, n, seed)]
                 # each wave, then again in another batch composition in the
                 # same engine: the drift oracle's noise floor (fouts)
                 outs, fouts = oracle.with_floor(generate, ref_cell, model_dir,
@@ -764,6 +780,10 @@ def slice_cells(name: str) -> list[Cell]:
         # (harness.sampled.cells): drift oracle and support check
         part = name.removeprefix("sampled").lstrip("-") or "all"
         return [Cell(**kw) for kw in sampled.cells(part)]
+    if name == "fuzz-regressions":
+        # the fuzzer's shrunk failing configurations (harness.fuzz), each
+        # file's "cell": harness/regressions/*.json
+        return regression_cells()
     if name == "v1-more-models":
         # the other generated fixtures on V1 (bf16): Qwen3-Next (GDN, MoE,
         # MTP), Granite-4.0-H (Mamba2), Kimi-Linear (KDA: the fork refuses
@@ -778,6 +798,21 @@ def slice_cells(name: str) -> list[Cell]:
         cells.append(Cell("qwen3_next", "mtp", 3, 8, async_sched=True))
         return cells
     raise ValueError(f"unknown slice {name}")
+
+
+REGRESSIONS = Path(__file__).resolve().parent / "regressions"
+
+
+def regression_cells(directory: Path = REGRESSIONS) -> list[Cell]:
+    """The cells of the fuzzer's kept regressions (``harness.fuzz``
+    writes them)."""
+    cells = []
+    for f in sorted(Path(directory).glob("*.json")):
+        d = dict(json.loads(f.read_text())["cell"])
+        if d.get("prompts") is not None:
+            d["prompts"] = tuple(d["prompts"])
+        cells.append(Cell(**d))
+    return cells
 
 
 # (max_num_batched_tokens, max_num_seqs, prompts submitted together) of the

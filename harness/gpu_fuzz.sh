@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Run the configuration fuzzer (harness/fuzz.py) on a GPU host for each
+# variant side by side on one GPU (one process per variant, the same seed:
+# the same configurations), then a summary per variant: configurations
+# tried, refused, invalid, failed, and each failure's first divergence.
+#
+#   bash harness/gpu_fuzz.sh VARIANTS DEADLINE_S SEED
+#   e.g. bash harness/gpu_fuzz.sh "fork upstream" 420 1
+#
+# Needs the bundle installed at /tmp/hybridspec (hsfork/install_bundle.sh);
+# the upstream tree is the fork's site with the series reversed
+# (harness/upstream_site.sh). JSON lines in $OUT/fuzz/<variant>.jsonl (one
+# line per configuration started and finished: a killed call keeps what it
+# wrote), FUZZ.md beside them, logs in $OUT/logs. Shrink a failure in a
+# later call: python3 -m harness.fuzz shrink $OUT/fuzz/fork.jsonl --id ID
+set -u
+R=$PWD
+VARIANTS=${1:-fork}
+DEADLINE=${2:-420}
+SEED=${3:-0}
+OUT=${OUT:-$R/out}
+mkdir -p "$OUT/fuzz" "$OUT/logs"
+# shellcheck disable=SC1091
+source "$R/harness/upstream_site.sh"
+for v in $VARIANTS; do make_site "$v" || exit 1; done
+export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.1} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-2e9}
+pids=()
+for v in $VARIANTS; do
+  name=${v//+/-with-}
+  PYTHONPATH=$(site_pythonpath "$v") timeout $((DEADLINE + 150)) \
+    python3 -m harness.fuzz run --out "$OUT/fuzz" --variant "$name" \
+    --seed "$SEED" --deadline "$DEADLINE" > "$OUT/logs/fuzz-$name.log" 2>&1 &
+  pids+=($!)
+  sleep 2
+done
+for p in "${pids[@]}"; do wait "$p"; done
+python3 -m harness.fuzz report "$OUT/fuzz" > /dev/null
+python3 - "$OUT/fuzz" <<'EOF'
+import json, sys
+from pathlib import Path
+from harness.fuzz import read_lines, summary
+for f in sorted(Path(sys.argv[1]).glob("*.jsonl")):
+    if f.stem.endswith("-shrink"):
+        continue
+    s = summary(read_lines(f))
+    print(f"== {f.stem}: {s['tried']} tried, {json.dumps(s['counts'])}")
+    for x in s["failures"]:
+        what = x["first_divergence"] or (x["error"] or "")[-200:].replace("\n", " ")
+        print(f"   {x['id']} {x['kind'] or x['status']}: {what}")
+        print(f"      {json.dumps(x['config'])}")
+EOF
+echo "report: $OUT/fuzz/FUZZ.md"

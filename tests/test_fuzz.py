@@ -1,0 +1,566 @@
+"""The configuration fuzzer (harness/fuzz.py) on the CPU: the draw covers
+every dimension and maps onto cells whose engine arguments vLLM accepts, the
+pool hook sizes the pool by vLLM's own admission check, the shrinker reaches
+the minimal failing configuration of a known predicate, JSON lines survive
+a kill, and the dry run needs no vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harness import fuzz, fuzz_pool
+from harness.fuzz import FuzzConfig
+
+REPO = Path(__file__).resolve().parent.parent
+seeds = st.integers(min_value=0, max_value=2**32 - 1)
+
+
+def _configs(seed: int, n: int = 8) -> list[FuzzConfig]:
+    return [c for g in fuzz.draw(seed, n) for c in g]
+
+
+# -- the draw ---------------------------------------------------------------
+
+
+def test_draw_covers_every_dimension():
+    """Over a few hundred draws every value of every enumerated dimension
+    appears (and both sides of every switch)."""
+    cfgs = _configs(0, 600)
+    seen = {
+        f.name: {getattr(c, f.name) for c in cfgs}
+        for f in dataclasses.fields(FuzzConfig)
+    }
+    assert seen["model"] == set(fuzz.MODELS)
+    assert seen["runner"] == set(fuzz.RUNNERS)
+    assert seen["drafter"] == set(fuzz.DRAFTERS)
+    assert seen["graphs"] == set(fuzz.GRAPHS)
+    assert seen["cache_mode"] == {"none", "align"}
+    assert seen["chunked"] == seen["async_sched"] == {True, False}
+    assert seen["prompt_band"] == set(range(len(fuzz.PROMPT_BANDS)))
+    assert set(fuzz.SLACKS) | {None} == seen["pool_slack"]
+    assert set(fuzz.SEQS_LADDER) == seen["max_num_seqs"]
+    assert {1, 3, 8, 64} <= seen["k"]
+    assert {1, 48} <= seen["n_prompts"]
+    assert {1, 2, 3} <= seen["lookup_min"] and max(seen["lookup_max"]) == 10
+    assert set(fuzz.BUDGETS) | {None} == seen["budget"]
+
+
+def test_draw_weights_small_budgets():
+    budgets = [c.budget for c in _configs(1, 600) if c.chunked]
+    small = sum(b <= 96 for b in budgets)
+    # 7 of the 13 budgets are <= 96; the geometric weights put far more
+    # than that share of the draws there
+    assert small / len(budgets) > 0.8
+
+
+def test_draw_is_reproducible():
+    assert _configs(7, 40) == _configs(7, 40)
+    assert _configs(7, 40) != _configs(8, 40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seeds)
+def test_drawn_configs_are_consistent(seed):
+    for g in fuzz.draw(seed, 8):
+        assert len({c.ref_shape() for c in g}) == 1  # one reference a group
+        for c in g:
+            assert c.drafter in fuzz.drafters_for(c.model, c.runner)
+            assert 1 <= c.lookup_min <= c.lookup_max <= 10
+            assert (c.budget is not None) == c.chunked
+            if c.chunked:
+                assert c.max_num_seqs <= c.budget
+            if c.model == fuzz.FASTAPPLY:
+                assert c.max_tokens == 128
+
+
+@settings(max_examples=25, deadline=None)
+@given(seeds)
+def test_model_len_holds_the_longest_request(seed):
+    from harness.equivalence import second_wave
+
+    for c in _configs(seed, 4):
+        first = fuzz.prompts_of(c)
+        # the longest continuation the engine may produce
+        cont = [[0] * c.max_tokens for _ in first]
+        waves = first + (second_wave(first, cont, 0) if c.cache_mode == "align" else [])
+        longest = max(map(len, waves)) + c.max_tokens + c.k
+        assert (
+            longest
+            < fuzz.model_len(c)
+            <= longest + 16 + (c.max_tokens // 4 if c.cache_mode == "align" else 0)
+        )
+
+
+@pytest.fixture(scope="module")
+def vllm_configs():
+    pytest.importorskip("vllm")
+    from vllm.config import CompilationConfig, SchedulerConfig, SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs, SpeculativeConfig, CompilationConfig, SchedulerConfig
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(seeds)
+def test_engine_kwargs_are_accepted_by_vllm(vllm_configs, seed):
+    """Every drawn configuration's engine arguments are EngineArgs fields
+    (EngineArgs builds from them), its speculative and compilation configs
+    are valid keys and values, and vLLM's SchedulerConfig accepts its budget,
+    max_num_seqs and max_model_len."""
+    engine_args, spec_cfg, comp_cfg, sched_cfg = vllm_configs
+    names = {f.name for f in dataclasses.fields(engine_args)}
+    spec_names = {f.name for f in dataclasses.fields(spec_cfg)}
+    for c in _configs(seed, 4):
+        kw = fuzz.engine_kwargs_of(c, "/nonexistent/model")
+        assert set(kw) <= names, set(kw) - names
+        engine_args(**kw)
+        assert set(kw["speculative_config"]) <= spec_names
+        assert kw["speculative_config"]["num_speculative_tokens"] == c.k
+        if "compilation_config" in kw:
+            comp_cfg(**kw["compilation_config"])
+        assert kw["enforce_eager"] == (c.graphs == "eager")
+        assert kw["max_num_seqs"] == c.max_num_seqs
+        assert kw["enable_prefix_caching"] == (c.cache_mode == "align")
+        # unchunked: no budget, vLLM picks one of at least max_model_len
+        budget = {k: kw[k] for k in ("max_num_batched_tokens",) if k in kw}
+        sched_cfg(
+            **budget,
+            max_num_seqs=kw["max_num_seqs"],
+            max_model_len=kw["max_model_len"],
+            enable_chunked_prefill=kw["enable_chunked_prefill"],
+            is_encoder_decoder=False,
+        )
+        if c.pool_slack is None:
+            assert "num_gpu_blocks_override" not in kw
+        else:
+            assert kw["num_gpu_blocks_override"] == fuzz.POOL_BASE + c.pool_slack
+
+
+def test_cell_carries_the_prompts():
+    c = _configs(3, 1)[0]
+    cell = fuzz.to_cell(c)
+    lo, hi = fuzz.PROMPT_BANDS[c.prompt_band]
+    assert cell.prompts == (c.n_prompts, c.prompt_seed, lo, hi)
+    assert cell.key()["prompts"] == list(cell.prompts)
+    if c.model != fuzz.FASTAPPLY:
+        assert all(lo <= len(p) <= hi for p in fuzz.prompts_of(c))
+
+
+# -- the pool ---------------------------------------------------------------
+
+
+class _Spec:
+    pass
+
+
+class MambaSpec(_Spec):
+    pass
+
+
+class FullAttentionSpec(_Spec):
+    pass
+
+
+def _fake_vllm(need: int, groups):
+    """get_kv_cache_configs whose admission check needs ``need`` blocks."""
+    calls = []
+
+    class G:
+        def __init__(self, spec):
+            self.kv_cache_spec = spec
+
+    class Cfg:
+        kv_cache_groups = [G(s()) for s in groups]
+
+    def orig(vllm_config, specs, mem):
+        n = vllm_config.cache_config.num_gpu_blocks_override
+        calls.append(n)
+        if n is not None and n < need:
+            raise ValueError(
+                "To serve at least one request with the model's max seq len"
+            )
+        return [Cfg()]
+
+    return orig, calls
+
+
+def _vllm_config(override, seqs=8):
+    cache = type("C", (), {"num_gpu_blocks_override": override, "block_size": 64})()
+    sched = type("S", (), {"max_num_seqs": seqs})()
+    return type("V", (), {"cache_config": cache, "scheduler_config": sched})()
+
+
+@pytest.mark.parametrize("need", [1, 2, 7, 8, 9, 100, 1000])
+@pytest.mark.parametrize("slack", [0, 3])
+def test_pool_is_the_least_that_starts_plus_mamba_blocks(need, slack):
+    orig, calls = _fake_vllm(need, [MambaSpec, MambaSpec, MambaSpec, FullAttentionSpec])
+    fuzz_pool.POOL_LOG.clear()
+    vc = _vllm_config(fuzz.POOL_BASE + slack, seqs=4)
+    fuzz_pool.sized(orig)(vc, {}, [0])
+    # the least pool vLLM accepts, one Mamba block per group and sequence
+    assert vc.cache_config.num_gpu_blocks_override == need + 3 * 4 + slack
+    assert calls[-1] == need + 12 + slack
+    assert fuzz_pool.POOL_LOG[-1]["least"] == need
+    assert len(calls) < 2 * (need.bit_length() + 4)
+
+
+def test_pool_hook_passes_other_overrides_through():
+    orig, calls = _fake_vllm(10, [MambaSpec])
+    for o in (None, 24):
+        vc = _vllm_config(o)
+        fuzz_pool.sized(orig)(vc, {}, [0])
+        assert vc.cache_config.num_gpu_blocks_override == o and calls[-1] == o
+
+
+def test_pool_hook_reraises_other_errors():
+    def orig(vllm_config, *a):
+        raise ValueError("something else")
+
+    with pytest.raises(ValueError, match="something else"):
+        fuzz_pool.sized(orig)(_vllm_config(fuzz.POOL_BASE), {}, [0])
+
+
+def test_pool_search_against_vllms_admission_check(vllm_configs):
+    """least_pool with vLLM's own _check_enough_kv_cache_memory: the pool it
+    finds is accepted and one block less is refused."""
+    try:
+        from vllm.v1.core.kv_cache_planning import _check_enough_kv_cache_memory
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import _check_enough_kv_cache_memory
+    per_block, need_blocks = 4096, 37
+
+    def fits(n):
+        try:
+            # the null block is held back (get_kv_cache_configs)
+            _check_enough_kv_cache_memory(
+                (n - 1) * per_block,
+                lambda: need_blocks * per_block,
+                512,
+                lambda mem: mem // per_block,
+            )
+            return True
+        except ValueError as e:
+            assert any(m in str(e) for m in fuzz.POOL_REFUSALS)
+            return False
+
+    n = fuzz_pool.least_pool(fits)
+    assert fits(n) and not fits(n - 1)
+    assert n == need_blocks + 1
+
+
+# -- judging ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "row, status",
+    [
+        ({"status": "ok"}, "ok"),
+        ({"status": "diverged"}, "failed"),
+        (
+            {"status": "error", "error": "torch.AcceleratorError: illegal memory"},
+            "failed",
+        ),
+        (
+            {
+                "status": "rejected",
+                "error": "ValidationError: Model Runner V2 does not "
+                "yet support: ngram/ngram_gpu speculative decoding",
+            },
+            "refused",
+        ),
+        (
+            {
+                "status": "rejected",
+                "error": "Value error, Async scheduling is not "
+                "supported by the V1 model runner with custom_class-based",
+            },
+            "refused",
+        ),
+        (
+            {
+                "status": "rejected",
+                "error": "ValueError: To serve at least one request "
+                "with the model's max seq len (512)",
+            },
+            "fuzzer-bug",
+        ),
+        (
+            {
+                "status": "rejected",
+                "error": "ValueError: max_num_batched_tokens (16) "
+                "must be greater than or equal to max_num_seqs",
+            },
+            "invalid",
+        ),
+    ],
+)
+def test_classify(row, status):
+    assert fuzz.classify(row) == status
+
+
+# -- shrinking --------------------------------------------------------------
+
+
+def _fake_runner(predicate, calls=None):
+    def run(items):
+        if calls is not None:
+            calls.append(len(items))
+        return [
+            {
+                "id": i,
+                "config": c.to_json(),
+                "status": "failed" if predicate(c) else "ok",
+            }
+            for i, c in items
+        ]
+
+    return run
+
+
+def _known(c: FuzzConfig) -> bool:
+    return c.chunked and c.budget <= 96 and c.k >= 8
+
+
+MINIMAL = dict(
+    graphs="eager",
+    async_sched=False,
+    pool_slack=None,
+    cache_mode="none",
+    chunked=True,
+    budget=96,
+    n_prompts=1,
+    prompt_band=0,
+    k=8,
+    max_num_seqs=1,
+    runner="v1",
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seeds, st.sampled_from([8, 12, 16, 32, 64]), st.sampled_from([16, 32, 64, 96]))
+def test_shrinker_reaches_the_minimal_failing_config(seed, k, budget):
+    """Predicate: fails iff budget <= 96 and k >= 8 (under chunked prefill);
+    from any failing draw the shrinker ends at budget 96, k 8 and every
+    other dimension at its simplest."""
+    rng = random.Random(seed)
+    c = fuzz.draw_config(rng)
+    c = dataclasses.replace(
+        c,
+        drafter="ngram",
+        chunked=True,
+        budget=budget,
+        k=k,
+        max_num_seqs=min(c.max_num_seqs, budget),
+    )
+    assert _known(c)
+    st_ = fuzz.shrink(c, "diverged", _fake_runner(_known))
+    last = FuzzConfig.from_json(st_["current"])
+    assert st_["done"] and _known(last)
+    for k_, v in MINIMAL.items():
+        assert getattr(last, k_) == v, (k_, last)
+    if last.model != fuzz.FASTAPPLY:
+        assert last.max_tokens == fuzz.MAX_TOKENS[0]
+    assert last.lookup_max == last.lookup_min
+    # minimal: no neighbour fails
+    assert not any(_known(n) for n in fuzz.neighbours(last))
+
+
+def test_shrink_resumes_from_its_state(tmp_path):
+    c = FuzzConfig(
+        "qwen3_5",
+        "ngram",
+        64,
+        runner="mrv2",
+        lookup_max=9,
+        max_num_seqs=16,
+        n_prompts=32,
+        prompt_band=3,
+        max_tokens=128,
+        cache_mode="align",
+        chunked=True,
+        budget=16,
+        pool_slack=4,
+        graphs="full_and_piecewise",
+        async_sched=True,
+    )
+    whole = fuzz.shrink(c, "diverged", _fake_runner(_known))
+    state = tmp_path / "s.json"
+    calls: list[int] = []
+    # a deadline of 0: one call per invocation, then the state is saved
+    for _ in range(200):
+        st_ = fuzz.shrink(
+            c, "diverged", _fake_runner(_known, calls), state=state, deadline_s=0
+        )
+        if st_["done"]:
+            break
+    assert st_["done"] and st_["current"] == whole["current"]
+    assert len(calls) > 1
+
+
+def test_shrink_needs_the_same_failure():
+    """A neighbour that fails differently (an error, not a divergence) is
+    not a step."""
+    c = FuzzConfig(
+        "qwen3_5", "ngram", 8, chunked=True, budget=64, graphs="full_and_piecewise"
+    )
+
+    def run(items):
+        return [
+            {"status": "failed", "error": "RuntimeError: x"}
+            if cc.graphs == "eager"
+            else {"status": "failed"}
+            for _, cc in items
+        ]
+
+    st_ = fuzz.shrink(c, "diverged", run)
+    assert FuzzConfig.from_json(st_["current"]).graphs == "full_and_piecewise"
+
+
+def test_regression_files_feed_the_slice(tmp_path):
+    c = FuzzConfig(
+        "nemotron_h", "scripted:random", 4, chunked=True, budget=32, max_num_seqs=4
+    )
+    p = fuzz.write_regression(
+        c,
+        {"status": "failed", "first_divergence": {"prompt": 0}},
+        {"from": "s1-3"},
+        tmp_path,
+    )
+    assert json.loads(p.read_text())["failure"] == "diverged"
+    assert fuzz.regression_configs(tmp_path) == [c]
+    cells = fuzz.regression_cells(tmp_path)
+    assert cells == [fuzz.to_cell(c)] and cells[0].extra == fuzz.to_cell(c).extra
+    assert cells[0].prompts == fuzz.to_cell(c).prompts
+    from harness.equivalence import slice_cells
+
+    assert len(slice_cells("fuzz-regressions")) == len(fuzz.regression_configs())
+
+
+# -- JSON lines, runs, report -------------------------------------------------
+
+
+def test_json_lines_survive_a_kill(tmp_path):
+    """A process killed while appending leaves every complete line
+    readable; a started configuration without a result reads as killed."""
+    out = tmp_path / "run.jsonl"
+    code = (
+        "import sys; from pathlib import Path; from harness.fuzz import append\n"
+        "out = Path(sys.argv[1])\n"
+        "i = 0\n"
+        "while True:\n"
+        "    line = {'event': 'start', 'id': f'x{i}', 'config': {}, 'pad': 'y' * 999}\n"
+        "    append(out, line)\n"
+        "    i += 1\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code, str(out)], cwd=REPO)
+    while not out.exists() or out.read_text().count("\n") < 20:
+        time.sleep(0.05)
+        assert p.poll() is None
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    with open(out, "a") as f:
+        f.write('{"event": "result", "id": "x0", "sta')  # a torn last line
+    lines = fuzz.read_lines(out)
+    assert len(lines) >= 20 and [ln["id"] for ln in lines] == [
+        f"x{i}" for i in range(len(lines))
+    ]
+    res = fuzz.outcomes(lines)
+    assert {r["status"] for r in res.values()} == {"killed"}
+
+
+def test_run_writes_start_then_result_lines(tmp_path):
+    out = tmp_path / "fork.jsonl"
+
+    def runner(items, out_, seed, timeout):
+        for cid, c in items[:-1]:  # the last one is lost, as in a crash
+            fuzz.append(
+                out_,
+                {
+                    "event": "result",
+                    "id": cid,
+                    "config": c.to_json(),
+                    "status": "failed" if _known(c) else "ok",
+                },
+            )
+
+    s = fuzz.fuzz_run(out, 5, deadline_s=10**6, group=3, runner=runner, limit=9)
+    lines = fuzz.read_lines(out)
+    starts = [ln for ln in lines if ln["event"] == "start"]
+    assert len(starts) == 9 and s["tried"] == 9
+    assert [c.to_json() for c in _configs_grouped(5, 9, 3)] == [
+        ln["config"] for ln in starts
+    ]
+    assert s["counts"].get("killed") == 3
+
+
+def _configs_grouped(seed, n, group):
+    return [c for g in fuzz.draw(seed, n, group) for c in g]
+
+
+def test_report(tmp_path):
+    d = tmp_path / "fuzz"
+    d.mkdir()
+    a = FuzzConfig("qwen3_5", "ngram", 8, chunked=True, budget=64)
+    b = dataclasses.replace(a, budget=512, k=3)
+    for i, (c, status) in enumerate([(a, "failed"), (b, "ok"), (a, "refused")]):
+        fuzz.append(
+            d / "fork.jsonl",
+            {
+                "event": "start",
+                "id": f"s0-{i}",
+                "config": c.to_json(),
+                "vllm": "0.33.0",
+            },
+        )
+        fuzz.append(
+            d / "fork.jsonl",
+            {
+                "event": "result",
+                "id": f"s0-{i}",
+                "config": c.to_json(),
+                "status": status,
+                "first_divergence": {"prompt": 2, "position": 17}
+                if status == "failed"
+                else None,
+            },
+        )
+    text = fuzz.report(d)
+    assert "3 configurations: 1 failed, 1 ok, 1 refused" in text
+    assert "'position': 17" in text and "| s0-0 | failed |" in text
+    assert "Every failure has:" in text and "'budget': 64" in text
+
+
+def test_dry_run_needs_no_vllm():
+    code = (
+        "import sys; sys.modules['vllm'] = None; sys.modules['torch'] = None\n"
+        "from harness.fuzz import main\n"
+        "main(['run', '--dry-run', '--seed', '3', '--count', '10'])\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HSFORK_VLLM_VERSION": "0.33.0"},
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    items = [json.loads(x) for x in p.stdout.splitlines()]
+    assert len(items) == 10
+    assert [i["config"] for i in items] == [c.to_json() for c in _configs(3, 10)]
+    assert all(i["engine_kwargs"]["speculative_config"] for i in items)
