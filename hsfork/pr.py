@@ -658,8 +658,8 @@ def describe(
     details = [p for lab, p in paras if lab.split(" ")[0] not in _TESTING_LABELS]
     title = re.sub(r"^(\[[^\]]+\])+\s*", "", patch.subject)
     summary = [f"{title}."]
-    for n in entry.fixes:
-        summary.append(f"Fixes #{n}")
+    if entry.fixes:
+        summary.append("\n".join(f"Fixes #{n}" for n in entry.fixes))
     if entry.stacks_on:
         names = ", ".join(f'"{by_nn[d].title}"' for d in entry.stacks_on)
         summary.append(
@@ -669,10 +669,12 @@ def describe(
     if entry.related:
         state_note = f" (states as of {as_of}; check before merging)" if as_of else ""
         summary.append(f"Related upstream work{state_note}:")
-        summary.extend(
-            f"- #{r['number']} ({r.get('kind', 'PR')}, {r.get('state', '?')}): "
-            f"{r.get('note', '')}".rstrip(": ")
-            for r in entry.related
+        summary.append(
+            "\n".join(
+                f"- #{r['number']} ({r.get('kind', 'PR')}, {r.get('state', '?')}): "
+                f"{r.get('note', '')}".rstrip(": ")
+                for r in entry.related
+            )
         )
     claims = [f"- {title}."]
     claims += [f"- Fixes #{n}." for n in entry.fixes]
@@ -691,7 +693,7 @@ def describe(
         plan.append("No test is added by this change.")
     result = _result_text(entry, ids)
     content = {
-        "summary": "\n".join(summary[:1] + [""] + summary[1:]).strip(),
+        "summary": "\n\n".join(summary),
         "claims": "\n".join(claims),
         "plan": "\n\n".join(plan),
         "result": result,
@@ -718,7 +720,14 @@ def describe(
         out.append(f"## {heading}")
         out.append("")
         if keys:
-            text = "\n\n".join(content[k] for k in keys if content[k])
+            # a section that holds both plan and result labels them
+            labels = {"plan": "**Test plan**", "result": "**Test result**"}
+            both = {"plan", "result"} <= set(keys)
+            text = "\n\n".join(
+                (f"{labels[k]}\n\n" if both and k in labels else "") + content[k]
+                for k in keys
+                if content[k]
+            )
             out.append(text)
         else:
             out.append(body.strip())
