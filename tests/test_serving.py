@@ -9,7 +9,6 @@ candidates), the lm-eval task, and ``gpu_serve.sh`` as a dry run."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import subprocess
 import sys
@@ -280,8 +279,6 @@ def test_vllm_request_path_round_trips(fastapply_dir, tiny9, tmp_path):
     itself transformers 5 loads Qwen3_5Tokenizer and every word is lost
     (why gpu_serve.sh passes ``--tokenizer``). The 9B-shaped directory's
     chat prompt is the ChatML text encoded by our BPE."""
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed here")
     from tokenizers import Tokenizer
 
     script = tmp_path / "check.py"
@@ -307,8 +304,6 @@ def test_vllm_loads_every_tiny_9b_parameter(tiny9):
     """vLLM's Qwen3_5ForConditionalGeneration and Qwen3_5MTP, built on the
     CPU, take every tensor of the written checkpoint (the harness's load
     check, tests/test_harness_models_more.py, run as its subprocess)."""
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed here")
     specs = [
         ["q", str(tiny9), arch, "bfloat16"]
         for arch in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MTP")
@@ -792,8 +787,6 @@ def test_vllm_serve_cli_accepts_the_flags(qwen35_serve_flags, parse_serve_args):
     """The ``vllm serve`` command lines gpu_serve.sh makes (the Qwen3.5
     flags of serving/host_env.sh, each attention backend, each speculative
     preset) parse with the fork's own serve parser."""
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed here")
     qwen35 = qwen35_serve_flags
     cmds, want = [], []
     for attn, spec, extra in (
