@@ -487,11 +487,11 @@ def outcomes(lines: Iterable[dict]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for ln in lines:
         ev, cid = ln.get("event"), ln.get("id")
-        if ev == "start":
-            out.setdefault(cid, {**ln, "event": "result", "status": "killed"})
+        if ev == "start":  # a new attempt (an id run again starts afresh)
+            out[cid] = {**ln, "event": "result", "status": "killed"}
         elif ev == "result":
             out[cid] = ln
-        elif ev == "lost" and out.get(cid, {}).get("status") == "killed":
+        elif ev == "lost" and out.get(cid, {}).get("status") in (None, "killed"):
             out[cid] = {**out[cid], "status": ln["status"], "error": ln.get("error")}
     return out
 
@@ -599,6 +599,7 @@ def fuzz_run(
     variant: str = "",
     runner: Callable | None = None,
     limit: int | None = None,
+    min_group_s: float = 150,
 ) -> dict:
     """Draw groups from ``seed`` and run them until ``deadline_s`` (or
     ``limit`` configurations); every configuration gets a start line before
@@ -612,7 +613,7 @@ def fuzz_run(
     version = compat.version_str()
     while True:
         left = deadline_s - (time.time() - start)
-        if left < 60 or (limit is not None and n >= limit):
+        if left < min_group_s or (limit is not None and n >= limit):
             break
         g = draw_group(rng, group)
         items = [(f"s{seed}-{n + i}", c) for i, c in enumerate(g)]
@@ -751,11 +752,12 @@ def shrink(
     deadline_s: float | None = None,
     log: Callable[[str], None] = lambda s: None,
 ) -> dict:
-    """Greedy shrinking: run the neighbours of the current configuration,
-    ``per_call`` at a time (one call of ``run``), simplest first; move to the
-    first that fails the same way (``kind``); stop when none does. The
-    state (current, tried) goes to ``state`` after every call, and is
-    resumed from there."""
+    """Greedy shrinking: first run the failing configuration again (a
+    failure that does not reproduce is not shrunk: ``reproduced`` False);
+    then run the neighbours of the current configuration, ``per_call`` at a
+    time (one call of ``run``), simplest first; move to the first that fails
+    the same way (``kind``); stop when none does. The state (current,
+    tried) goes to ``state`` after every call, and is resumed from there."""
     start = time.time()
     st = {
         "kind": kind,
@@ -763,10 +765,18 @@ def shrink(
         "steps": [],
         "tried": {},
         "done": False,
+        "reproduced": None,
     }
     if state and state.exists():
         st = json.loads(state.read_text())
     n_call, calls_here = len(st["tried"]), 0
+    if st.get("reproduced") is None:
+        (r,) = run([(f"shrink-{int(time.time())}-again", cfg)])
+        n_call, calls_here = n_call + 1, 1
+        st["reproduced"] = failure_kind(r) == kind
+        st["done"] = not st["reproduced"]
+        log(f"reproduced: {st['reproduced']} ({r.get('status')})")
+        _save(state, st)
     while not st["done"]:
         cur = FuzzConfig.from_json(st["current"])
         cands = [c for c in neighbours(cur) if c.name() not in st["tried"]]
@@ -1069,12 +1079,17 @@ def main(argv: list[str] | None = None) -> None:
             a.deadline,
             log=print,
         )
-        if st["done"]:
+        if st["done"] and not st["reproduced"]:
+            print(json.dumps({"not_reproduced": cfg.to_json(), "state": str(state)}))
+        elif st["done"]:
             last = FuzzConfig.from_json(st["current"])
             res = outcomes(read_lines(out)) if out.exists() else {}
-            r = next(
-                (r for r in res.values() if r.get("config") == last.to_json()), failure
-            )
+            same = [
+                r
+                for r in res.values()
+                if r.get("config") == last.to_json() and failure_kind(r) == kind
+            ]
+            r = same[-1] if same else failure
             from . import compat
 
             path = write_regression(

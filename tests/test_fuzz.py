@@ -564,3 +564,135 @@ def test_dry_run_needs_no_vllm():
     assert len(items) == 10
     assert [i["config"] for i in items] == [c.to_json() for c in _configs(3, 10)]
     assert all(i["engine_kwargs"]["speculative_config"] for i in items)
+
+
+def test_pool_hook_on_vllms_own_get_kv_cache_configs():
+    """The hook around vLLM's get_kv_cache_configs (fast-apply fixture's
+    model config, three GDN-like state groups and one attention group): the
+    least pool it finds is what vLLM accepts and one block less is refused;
+    the final pool adds one block per state group and sequence and the
+    slack. In a subprocess on vLLM's CPU platform (HSFORK_CPU_TESTBED)."""
+    pytest.importorskip("vllm")
+    code = (
+        "import runpy, json\n"
+        f"ns = runpy.run_path({str(Path(__file__))!r})\n"
+        "print('POOL', json.dumps(ns['_pool_check']()))\n"
+    )
+    env = {**os.environ, "HSFORK_CPU_TESTBED": "1", "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                       capture_output=True, text=True)  # fmt: skip
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    log = json.loads(p.stdout.split("POOL ", 1)[1])
+    assert log["mamba_groups"] == 3 and log["max_num_seqs"] == 4
+
+
+def _pool_check() -> dict:
+    import inspect
+
+    import torch
+    import vllm.v1.engine.core as core
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
+    from vllm.config import SchedulerConfig as sched
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    mc = ModelConfig(
+        model=str(REPO / "fixtures" / "fastapply"),
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=512,
+    )
+    vc = VllmConfig(
+        model_config=mc,
+        cache_config=CacheConfig(block_size=64),
+        device_config=DeviceConfig(device="cpu"),
+        scheduler_config=sched(max_num_seqs=4, max_num_batched_tokens=512,
+                               max_model_len=512, is_encoder_decoder=False),
+    )  # fmt: skip
+    if hasattr(vc.cache_config, "kv_cache_layout"):
+        vc.cache_config.kv_cache_layout = "NHD"  # the engine core resolves it
+    att = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=64,
+                            dtype=torch.bfloat16)  # fmt: skip
+    page = att.page_size_bytes
+    state = MambaSpec(block_size=64, shapes=((page // 4,),), dtypes=(torch.bfloat16,),
+                      page_size_padded=page)  # fmt: skip
+    specs = {f"layers.{i}.attn": state for i in range(3)} | {"layers.3.attn": att}
+    orig = getattr(core.get_kv_cache_configs, "__wrapped__", core.get_kv_cache_configs)
+    args = [vc, [specs], [10**9]]
+    if "global_kv_cache_groups" in inspect.signature(orig).parameters:
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+
+        args.append(get_global_kv_cache_groups(vc, [specs]))
+
+    def starts(n):
+        vc.cache_config.num_gpu_blocks_override = n
+        try:
+            orig(*args)
+            return True
+        except ValueError as e:
+            assert any(m in str(e) for m in fuzz_pool.POOL_REFUSALS), e
+            return False
+
+    fuzz_pool.POOL_LOG.clear()
+    vc.cache_config.num_gpu_blocks_override = fuzz_pool.POOL_BASE + 2
+    configs = fuzz_pool.sized(orig)(*args)
+    log = fuzz_pool.POOL_LOG[-1]
+    assert log["mamba_groups"] == 3 and log["max_num_seqs"] == 4
+    assert configs[0].num_blocks == log["blocks"] == log["least"] + 3 * 4 + 2
+    # the attention group alone needs 512 / 64 blocks, and the null block
+    assert log["least"] > 512 // 64 + 1
+    assert starts(log["least"]) and not starts(log["least"] - 1)
+    return log
+
+
+def _fake_child(tmp_path, body: str) -> str:
+    """An executable standing in for the Python of run_group_child."""
+    script = tmp_path / "child.py"
+    script.write_text(body)
+    exe = tmp_path / "python"
+    exe.write_text(f'#!/bin/sh\nexec {sys.executable} {script} "$@"\n')
+    exe.chmod(0o755)
+    return str(exe)
+
+
+@pytest.mark.parametrize("mode", ["crash", "hang", "half"])
+def test_group_child_that_does_not_report(tmp_path, monkeypatch, mode):
+    """A child that crashes, hangs or reports only some configurations:
+    the others get a lost line (crashed / timeout) with its output."""
+    body = {
+        "crash": "import sys; print('illegal memory access'); sys.exit(1)\n",
+        "hang": "import time; time.sleep(60)\n",
+        "half": (
+            "import json, sys\n"
+            "from pathlib import Path\n"
+            "argv = sys.argv\n"
+            "g = json.loads(Path(argv[argv.index('run-group') + 1]).read_text())\n"
+            "out = sys.argv[sys.argv.index('--out') + 1]\n"
+            "i, c = g['items'][0]\n"
+            "line = {'event': 'result', 'id': i, 'config': c, 'status': 'ok'}\n"
+            "open(out, 'a').write(json.dumps(line) + '\\n')\n"
+            "sys.exit(139)\n"
+        ),
+    }[mode]
+    monkeypatch.setattr(sys, "executable", _fake_child(tmp_path, body))
+    out = tmp_path / "run.jsonl"
+    # an earlier result of the same id in the file does not count
+    fuzz.append(out, {"event": "result", "id": "a1", "status": "ok", "config": {}})
+    items = [("a0", _configs(2, 1)[0]), ("a1", _configs(3, 1)[0])]
+    for i, c in items:  # as fuzz_run writes them
+        fuzz.append(out, {"event": "start", "id": i, "config": c.to_json()})
+    res = fuzz.run_group_child(items, out, 0, timeout_s=3 if mode == "hang" else 60)
+    want = {"crash": ["crashed", "crashed"], "hang": ["timeout", "timeout"],
+            "half": ["ok", "crashed"]}[mode]  # fmt: skip
+    assert [r["status"] for r in res] == want
+    if mode == "crash":
+        assert "illegal memory access" in res[0]["error"]
+    got = fuzz.outcomes(fuzz.read_lines(out))
+    assert [got[i]["status"] for i in ("a0", "a1")] == want
+
+
+def test_shrink_stops_when_the_failure_does_not_reproduce():
+    c = FuzzConfig("qwen3_5", "ngram", 8, chunked=True, budget=64)
+    calls: list[int] = []
+    st_ = fuzz.shrink(c, "diverged", _fake_runner(lambda c: False, calls))
+    assert st_["done"] and st_["reproduced"] is False and calls == [1]
