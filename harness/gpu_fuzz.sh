@@ -7,6 +7,13 @@
 #   bash harness/gpu_fuzz.sh VARIANTS DEADLINE_S SEED
 #   e.g. bash harness/gpu_fuzz.sh "fork upstream" 420 1
 #
+# Shrinking a failure is a second phase, one variant, resumable across calls
+# (the state file beside the run file): the minimal failing configuration
+# is written to harness/regressions/ (copied to $OUT/regressions):
+#
+#   bash harness/gpu_fuzz.sh shrink VARIANT RUN.jsonl ID DEADLINE_S
+#
+# GROUP (default 4): configurations per child process (one reference each).
 # Needs the bundle installed at /tmp/hybridspec (hsfork/install_bundle.sh);
 # the upstream tree is the fork's site with the series reversed
 # (harness/upstream_site.sh). JSON lines in $OUT/fuzz/<variant>.jsonl (one
@@ -15,6 +22,20 @@
 # later call: python3 -m harness.fuzz shrink $OUT/fuzz/fork.jsonl --id ID
 set -u
 R=$PWD
+if [[ ${1:-} == shrink ]]; then
+  V=$2 RUN=$3 ID=$4 DEADLINE=${5:-420}
+  OUT=${OUT:-$R/out}
+  mkdir -p "$OUT/regressions"
+  # shellcheck disable=SC1091
+  source "$R/harness/upstream_site.sh"
+  make_site "$V" || exit 1
+  export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.2} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-2e9}
+  PYTHONPATH=$(site_pythonpath "$V") timeout $((DEADLINE + 400)) \
+    python3 -m harness.fuzz shrink "$RUN" --id "$ID" --deadline "$DEADLINE" \
+    --per-call "${GROUP:-4}"
+  cp -n "$R"/harness/regressions/*.json "$OUT/regressions/" 2>/dev/null
+  exit 0
+fi
 VARIANTS=${1:-fork}
 DEADLINE=${2:-420}
 SEED=${3:-0}
@@ -29,7 +50,8 @@ for v in $VARIANTS; do
   name=${v//+/-with-}
   PYTHONPATH=$(site_pythonpath "$v") timeout $((DEADLINE + 150)) \
     python3 -m harness.fuzz run --out "$OUT/fuzz" --variant "$name" \
-    --seed "$SEED" --deadline "$DEADLINE" > "$OUT/logs/fuzz-$name.log" 2>&1 &
+    --seed "$SEED" --deadline "$DEADLINE" --group "${GROUP:-4}" \
+    > "$OUT/logs/fuzz-$name.log" 2>&1 &
   pids+=($!)
   sleep 2
 done

@@ -345,7 +345,6 @@ MINIMAL = dict(
     chunked=True,
     budget=96,
     n_prompts=1,
-    prompt_band=0,
     k=8,
     max_num_seqs=1,
     runner="v1",
@@ -374,8 +373,8 @@ def test_shrinker_reaches_the_minimal_failing_config(seed, k, budget):
     assert st_["done"] and _known(last)
     for k_, v in MINIMAL.items():
         assert getattr(last, k_) == v, (k_, last)
-    if last.model != fuzz.FASTAPPLY:
-        assert last.max_tokens == fuzz.MAX_TOKENS[0]
+    if last.model != fuzz.FASTAPPLY:  # its prompts and answers are the task's
+        assert last.max_tokens == fuzz.MAX_TOKENS[0] and last.prompt_band == 0
     assert last.lookup_max == last.lookup_min
     # minimal: no neighbour fails
     assert not any(_known(n) for n in fuzz.neighbours(last))
@@ -696,3 +695,44 @@ def test_shrink_stops_when_the_failure_does_not_reproduce():
     calls: list[int] = []
     st_ = fuzz.shrink(c, "diverged", _fake_runner(lambda c: False, calls))
     assert st_["done"] and st_["reproduced"] is False and calls == [1]
+
+
+ENGINE_CONFIG_CHECK = """
+import json, sys
+from vllm.engine.arg_utils import EngineArgs
+from harness import fuzz
+from harness.equivalence import FASTAPPLY_DIR, set_runner
+out = []
+for g in fuzz.draw(int(sys.argv[1]), int(sys.argv[2])):
+    for c in g:
+        if c.model != fuzz.FASTAPPLY or c.drafter in ("eagle3", "draft_model:dense"):
+            continue  # the committed model; no drafter folders written here
+        kw = fuzz.engine_kwargs_of(c, str(FASTAPPLY_DIR))
+        set_runner(c.runner)
+        try:
+            EngineArgs(**kw).create_engine_config()
+            out.append([c.name(), "ok"])
+        except Exception as e:
+            out.append([c.name(), fuzz.classify({"status": "rejected",
+                                                 "error": str(e)}), str(e)[:400]])
+print("CHECK", json.dumps(out))
+"""
+
+
+def test_drawn_engine_configs_start_or_are_refused_by_design(tmp_path):
+    """vLLM's own create_engine_config (the CPU platform, in a subprocess)
+    on the drawn configurations of the committed fast-apply fixture: each
+    builds, or is refused with a message REFUSED_BY_DESIGN knows. The CPU
+    platform's own gap (MRV2 needs Triton) is not the draw's."""
+    pytest.importorskip("vllm")
+    script = tmp_path / "check.py"
+    script.write_text(ENGINE_CONFIG_CHECK)
+    env = {**os.environ, "HSFORK_CPU_TESTBED": "1", "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, str(script), "11", "120"], cwd=REPO, env=env,
+                       capture_output=True, text=True)  # fmt: skip
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    got = json.loads(p.stdout.split("CHECK ", 1)[1])
+    cpu_gap = "Model Runner V2 requires Triton"
+    bad = [g for g in got if g[1] not in ("ok", "refused") and cpu_gap not in g[2]]
+    assert not bad, bad
+    assert sum(g[1] == "ok" for g in got) >= len(got) // 3
