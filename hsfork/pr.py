@@ -351,6 +351,8 @@ def _clone_tag(pin: Pin, repo: Path) -> None:
     ):
         info(f"cloning {pin.tag} of {src}")
         git(repo.parent, "clone", "-q", "--no-checkout", str(src), repo.name)
+        # only the tag matters: no remote to push the fork's own commits to
+        git(repo, "remote", "remove", "origin")
         git(repo, "checkout", "-q", "--detach", pin.tag)
     else:
         from .fetch import fetch_file
