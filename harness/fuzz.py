@@ -946,6 +946,7 @@ def report(directory: Path) -> str:
                 f"{w['worst_drift']['ratio']} of its threshold ({w['id']}).",
                 "",
             ]
+    lines += side_by_side(directory)
     regs = sorted(REGRESSIONS.glob("*.json")) if REGRESSIONS.exists() else []
     if regs:
         lines += ["## Kept regressions (harness/regressions)", ""]
@@ -956,6 +957,59 @@ def report(directory: Path) -> str:
             )
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def variant_of(path: Path) -> str:
+    """``fork-s3.jsonl`` -> ``fork``: the variant of a run file."""
+    stem = Path(path).stem
+    head, _, tail = stem.rpartition("-s")
+    return head if head and tail.isdigit() else stem
+
+
+VERDICTS = {
+    ("failed", "ok"): "fixed by the fork",
+    ("ok", "failed"): "**fork only: a regression**",
+    ("failed", "failed"): "open on both",
+}
+
+
+def side_by_side(directory: Path) -> list[str]:
+    """The same configurations (same seed, same id) on the fork and on
+    upstream: where their outcomes differ or both fail."""
+    by_variant: dict[str, dict[str, dict]] = {}
+    for f in sorted(Path(directory).glob("*.jsonl")):
+        if f.stem.endswith("-shrink"):
+            continue
+        by_variant.setdefault(variant_of(f), {}).update(outcomes(read_lines(f)))
+    fork, up = by_variant.get("fork"), by_variant.get("upstream")
+    if not fork or not up:
+        return []
+    rows, tally = [], Counter()
+    for cid in sorted(set(fork) & set(up)):
+        a, b = up[cid]["status"], fork[cid]["status"]
+        verdict = VERDICTS.get((a, b))
+        tally[verdict or ("same" if a == b else "differs")] += 1
+        if verdict or (a != b and OK in (a, b)):
+            c = fork[cid]["config"]
+            what = fork[cid].get("first_divergence") or up[cid].get("first_divergence")
+            rows.append(
+                f"| {cid} | {a} | {b} | {verdict or 'differs'} | {c['model']} "
+                f"{c['runner']} {c['drafter']} k={c['k']} | {what} |"
+            )
+    out = [
+        "## Fork vs upstream, configuration by configuration",
+        "",
+        ", ".join(f"{n} {v}" for v, n in sorted(tally.items())) + ".",
+        "",
+    ]
+    if rows:
+        out += [
+            "| id | upstream | fork | verdict | configuration | first divergence |",
+            "|---|---|---|---|---|---|",
+            *rows,
+            "",
+        ]
+    return out
 
 
 def lessons(results: Iterable[dict]) -> list[str]:
@@ -1059,7 +1113,7 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         s = fuzz_run(
-            out / f"{a.variant}.jsonl",
+            out / f"{a.variant}-s{a.seed}.jsonl",
             a.seed,
             a.deadline,
             a.group,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the configuration fuzzer (harness/fuzz.py) on a GPU host for each
 # variant side by side on one GPU (one process per variant, the same seed:
-# the same configurations), then a summary per variant: configurations
+# the same configurations), then a summary per run file: configurations
 # tried, refused, invalid, failed, and each failure's first divergence.
 #
 #   bash harness/gpu_fuzz.sh VARIANTS DEADLINE_S SEED
@@ -13,13 +13,16 @@
 #
 #   bash harness/gpu_fuzz.sh shrink VARIANT RUN.jsonl ID DEADLINE_S
 #
-# GROUP (default 4): configurations per child process (one reference each).
+# GROUP (default 6): configurations per child process (one reference, one
+# teacher-forced verification each); JOBS (default 1): processes per
+# variant, seeds SEED, SEED+1, ...
+#
 # Needs the bundle installed at /tmp/hybridspec (hsfork/install_bundle.sh);
 # the upstream tree is the fork's site with the series reversed
-# (harness/upstream_site.sh). JSON lines in $OUT/fuzz/<variant>.jsonl (one
-# line per configuration started and finished: a killed call keeps what it
-# wrote), FUZZ.md beside them, logs in $OUT/logs. Shrink a failure in a
-# later call: python3 -m harness.fuzz shrink $OUT/fuzz/fork.jsonl --id ID
+# (harness/upstream_site.sh). JSON lines in $OUT/fuzz/<variant>-s<seed>.jsonl
+# (a line per configuration started and finished: a killed call keeps what
+# it wrote), FUZZ.md beside them (fork and upstream outcomes of each
+# configuration side by side), logs in $OUT/logs.
 set -u
 R=$PWD
 if [[ ${1:-} == shrink ]]; then
@@ -48,12 +51,17 @@ export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.1} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-
 pids=()
 for v in $VARIANTS; do
   name=${v//+/-with-}
-  PYTHONPATH=$(site_pythonpath "$v") timeout $((DEADLINE + 150)) \
-    python3 -m harness.fuzz run --out "$OUT/fuzz" --variant "$name" \
-    --seed "$SEED" --deadline "$DEADLINE" --group "${GROUP:-4}" \
-    > "$OUT/logs/fuzz-$name.log" 2>&1 &
-  pids+=($!)
-  sleep 2
+  # JOBS processes per variant, seeds SEED, SEED+1, ...: every variant runs
+  # the same configurations
+  for ((j = 0; j < ${JOBS:-1}; j++)); do
+    s=$((SEED + j))
+    PYTHONPATH=$(site_pythonpath "$v") timeout $((DEADLINE + 150)) \
+      python3 -m harness.fuzz run --out "$OUT/fuzz" --variant "$name" \
+      --seed "$s" --deadline "$DEADLINE" --group "${GROUP:-6}" \
+      > "$OUT/logs/fuzz-$name-s$s.log" 2>&1 &
+    pids+=($!)
+    sleep 2
+  done
 done
 for p in "${pids[@]}"; do wait "$p"; done
 python3 -m harness.fuzz report "$OUT/fuzz" > /dev/null

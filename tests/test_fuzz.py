@@ -736,3 +736,68 @@ def test_drawn_engine_configs_start_or_are_refused_by_design(tmp_path):
     bad = [g for g in got if g[1] not in ("ok", "refused") and cpu_gap not in g[2]]
     assert not bad, bad
     assert sum(g[1] == "ok" for g in got) >= len(got) // 3
+
+
+def test_report_sets_fork_and_upstream_side_by_side(tmp_path):
+    a = FuzzConfig("nemotron_h", "mtp", 3, chunked=True, budget=48)
+    outcomes = {"s0-0": ("failed", "ok"), "s0-1": ("ok", "failed"),
+                "s0-2": ("failed", "failed"), "s0-3": ("ok", "ok"),
+                "s0-4": ("refused", "refused")}  # fmt: skip
+    for cid, pair in outcomes.items():
+        for variant, status in zip(("upstream", "fork"), pair, strict=True):
+            f = tmp_path / f"{variant}-s0.jsonl"
+            fuzz.append(f, {"event": "start", "id": cid, "config": a.to_json()})
+            fuzz.append(f, {"event": "result", "id": cid, "config": a.to_json(),
+                            "status": status})  # fmt: skip
+    text = fuzz.report(tmp_path)
+    assert "| s0-0 | failed | ok | fixed by the fork |" in text
+    assert "| s0-1 | ok | failed | **fork only: a regression** |" in text
+    assert "| s0-2 | failed | failed | open on both |" in text
+    assert "s0-3 |" not in text and "s0-4 |" not in text
+    assert fuzz.variant_of(Path("fork-with-0005-s12.jsonl")) == "fork-with-0005"
+
+
+FAKE_GPU_CHILD = """
+import json, sys
+from pathlib import Path
+argv = sys.argv
+g = json.loads(Path(argv[argv.index("run-group") + 1]).read_text())
+out = argv[argv.index("--out") + 1]
+with open(out, "a") as f:
+    for i, c in g["items"]:
+        bad = c["chunked"] and c["budget"] <= 96 and c["k"] >= 8
+        line = {"event": "result", "id": i, "config": c,
+                "status": "failed" if bad else "ok",
+                "first_divergence": {"prompt": 0, "position": 3} if bad else None}
+        f.write(json.dumps(line) + "\\n")
+"""
+
+
+def test_shrink_command_writes_the_regression(tmp_path, monkeypatch, capsys):
+    """``python -m harness.fuzz shrink RUN.jsonl --id ID`` end to end, each
+    step in a child process (a stand-in for the GPU child whose failure
+    predicate is known): the minimal configuration lands in the regressions
+    folder, and the matrix slice's loader reads it back."""
+    monkeypatch.setattr(sys, "executable", _fake_child(tmp_path, FAKE_GPU_CHILD))
+    c = FuzzConfig("qwen3_5", "ngram", 32, runner="mrv2", max_num_seqs=8,
+                   n_prompts=16, prompt_band=3, max_tokens=96, cache_mode="align",
+                   chunked=True, budget=24, pool_slack=2, graphs="full_and_piecewise",
+                   async_sched=True)  # fmt: skip
+    run = tmp_path / "fork-s0.jsonl"
+    fuzz.append(run, {"event": "start", "id": "s0-7", "config": c.to_json()})
+    fuzz.append(run, {"event": "result", "id": "s0-7", "config": c.to_json(),
+                      "status": "failed"})  # fmt: skip
+    regs = tmp_path / "regs"
+    fuzz.main(["shrink", str(run), "--id", "s0-7", "--deadline", "100000",
+               "--regressions", str(regs)])  # fmt: skip
+    files = list(regs.glob("*.json"))
+    assert len(files) == 1
+    d = json.loads(files[0].read_text())
+    last = FuzzConfig.from_json(d["config"])
+    assert (last.budget, last.k, last.n_prompts, last.graphs) == (96, 8, 1, "eager")
+    assert d["failure"] == "diverged" and d["first_divergence"]["position"] == 3
+    assert d["found"]["from"] == "s0-7" and d["found"]["steps"] >= 5
+    from harness.equivalence import regression_cells
+
+    assert regression_cells(regs) == [fuzz.to_cell(last)]
+    assert '"regression"' in capsys.readouterr().out
