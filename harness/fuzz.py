@@ -143,10 +143,18 @@ REFUSED_BY_DESIGN = (
     # v0.33.0: V1 + async scheduling + a host-side drafter (custom_class,
     # n-gram)
     "Async scheduling is not supported by the V1 model runner with",
-    # v0.33.0: Mamba prefix caching (align) needs chunked prefill
-    "Chunked prefill is required for Mamba prefix caching",
+    # Mamba prefix caching (align) needs chunked prefill ("... for Mamba
+    # prefix caching" on v0.33.0, "... for mamba cache mode 'align'" on
+    # v0.26.0)
+    "Chunked prefill is required for",
     # async scheduling with a host-side drafter
     "async scheduling is only supported with",
+    # a token budget too small for the draft slots of the speculative config
+    # (v0.26.0: "... does not allow any tokens to be scheduled" / "... not
+    # have enough slots to support ..."; v0.33.0: "... enough slots to
+    # schedule a token and support ...")
+    "does not allow any tokens to be scheduled",
+    "enough slots to",
     # MRV2 feature gaps (n-gram and draft_model on v0.26.0)
     "Model Runner V2 does not yet support",
     "Speculative decoding is not supported for",
@@ -273,8 +281,9 @@ def draw_config(rng: random.Random, shape: dict | None = None) -> FuzzConfig:
     # drafters that run on the host: async scheduling is refused with them
     # on V1 (REFUSED_BY_DESIGN), so drawn rarely
     host_side = drafter == "ngram" or drafter.startswith("scripted:")
-    # Mamba prefix caching (align) needs chunked prefill on v0.33.0: mostly on
-    chunked = rng.random() < (0.95 if shape["cache_mode"] == "align" else 0.7)
+    # Mamba prefix caching (align) needs chunked prefill (both lines refuse
+    # it without)
+    chunked = shape["cache_mode"] == "align" or rng.random() < 0.7
     budget = _geometric(rng, BUDGETS, 0.25) if chunked else None
     seqs = rng.choice(SEQS_LADDER)
     if budget is not None:
@@ -691,7 +700,7 @@ def neighbours(cfg: FuzzConfig) -> list[FuzzConfig]:
         out.append(rep(cfg, pool_slack=None))
     if cfg.cache_mode != "none":
         out.append(rep(cfg, cache_mode="none"))
-    if cfg.chunked:
+    if cfg.chunked and cfg.cache_mode == "none":  # align needs chunked prefill
         out.append(rep(cfg, chunked=False, budget=None))
     for n in _ladder_moves(cfg.n_prompts, range(1, cfg.n_prompts + 1)):
         out.append(rep(cfg, n_prompts=n))

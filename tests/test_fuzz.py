@@ -81,6 +81,8 @@ def test_drawn_configs_are_consistent(seed):
             assert (c.budget is not None) == c.chunked
             if c.chunked:
                 assert c.max_num_seqs <= c.budget
+            if c.cache_mode == "align":  # refused without chunked prefill
+                assert c.chunked
             if c.model == fuzz.FASTAPPLY:
                 assert c.max_tokens == 128
 
