@@ -819,7 +819,7 @@ def regression_cells(directory: Path = REGRESSIONS) -> list[Cell]:
 # budget probe: the larger batch with the larger max_num_seqs, so that the
 # queue always holds waiting requests (40-128 prompts, two references each)
 BUDGETS = ((96, 4, 48), (96, 8, 128), (128, 4, 48), (128, 8, 128))
-BUDGET_PARTS = ("ngram", "ngram_gpu", "mtp")
+BUDGET_PARTS = ("ngram", "ngram_default", "ngram_gpu", "mtp")
 
 
 def budget_probe(part: str = "all") -> list[Cell]:
@@ -834,9 +834,10 @@ def budget_probe(part: str = "all") -> list[Cell]:
 
     ``ngram``: n-gram k=64 (lookup 2..10) on V1's CPU proposer, sync
     scheduling; two cells on MRV2 (GPU n-gram there on v0.33.0, rejected on
-    v0.26.0). ``ngram_gpu``: the same grid with ``ngram_gpu`` and async
-    scheduling on the default runner (MRV2 on v0.33.0, V1 on v0.26.0); two
-    cells on V1. ``mtp``: MTP k=3 on the default runner in align mode, async
+    v0.26.0). ``ngram_default``: the same grid on the default runner (what a
+    user gets: MRV2 on v0.33.0, V1 on v0.26.0). ``ngram_gpu``: the same grid
+    with ``ngram_gpu`` and async scheduling on the default runner; two cells
+    on V1. ``mtp``: MTP k=3 on the default runner in align mode, async
     scheduling, and two sync cells."""
 
     def cell(drafter, k, runner, async_sched, cm, budget):
@@ -861,6 +862,8 @@ def budget_probe(part: str = "all") -> list[Cell]:
 
     parts = {
         "ngram": grid("ngram", 64, "v1", False) + corners("ngram", 64, "mrv2", False),
+        # the runner a user gets (MRV2 on v0.33.0, V1 on v0.26.0), whole grid
+        "ngram_default": grid("ngram", 64, "default", False),
         "ngram_gpu": grid("ngram_gpu", 64, "default", True)
         + corners("ngram_gpu", 64, "v1", True),
         "mtp": grid("mtp", 3, "default", True, modes=("align",))

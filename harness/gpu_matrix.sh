@@ -22,7 +22,7 @@ export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.1} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-
 pids=()
 for v in $VARIANTS; do
   PYTHONPATH=$(site_pythonpath "$v") python3 -c \
-    "import vllm, vllm.v1.spec_decode.utils as u; print('$v', vllm.__file__, 'patched:', hasattr(u, 'mark_zero_draft_decodes'))"
+    "import vllm; print('$v', vllm.__file__)"
   for s in $SLICES; do
     PYTHONPATH=$(site_pythonpath "$v") \
       timeout $((DEADLINE + 170)) python3 -m harness.equivalence --slice "$s" \

@@ -164,7 +164,9 @@ def test_real_series_sync_export_roundtrip(tmp_path, monkeypatch, line):
     monkeypatch.setenv("HSFORK_PATCHES", str(exported))
     hf.sync()
     hf.export()
-    series = {k: v for k, v in _snapshot(committed).items() if k != "upstream-tests.txt"}
+    series = {
+        k: v for k, v in _snapshot(committed).items() if k != "upstream-tests.txt"
+    }
     assert _snapshot(exported) == series
 
 

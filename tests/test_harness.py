@@ -579,7 +579,7 @@ def test_budget_probe_slice(line):
 
     cells = slice_cells("budget-probe")
     parts = [c for p in BUDGET_PARTS for c in slice_cells(f"budget-probe-{p}")]
-    assert cells == parts and len(cells) == 26
+    assert cells == parts and len(cells) == 34
     assert {c.model for c in cells} == {FASTAPPLY}
     assert all(c.chunked and c.max_tokens == 128 for c in cells)
     assert {c.drafter for c in cells} == {"ngram", "ngram_gpu", "mtp"}
@@ -610,6 +610,11 @@ def test_budget_probe_slice(line):
     }
     assert any(c.drafter == "mtp" and c.async_sched for c in cells)
     assert any(c.drafter == "mtp" and not c.async_sched for c in cells)
+    # the runner a user gets: the whole n-gram grid, sync scheduling
+    default = slice_cells("budget-probe-ngram_default")
+    assert len(default) == 8 and {c.runner for c in default} == {"default"}
+    assert {c.drafter for c in default} == {"ngram"}
+    assert not any(c.async_sched for c in default)
     with pytest.raises(ValueError):
         slice_cells("budget-probe-eagle")
 
