@@ -59,7 +59,9 @@ class Cell:
     runner: str = "v1"
     cache_mode: str = "none"  # none | align
     graphs: str = "eager"  # eager | full_and_piecewise
-    async_sched: bool = False
+    # None: not passed, vLLM's default (async with n-gram on MRV2 in v0.33.0;
+    # the engine's choice is in accept.async_scheduling)
+    async_sched: bool | None = False
     chunked: bool = False  # small max_num_batched_tokens
     preempt: bool = False  # small KV cache
     dtype: str = "bfloat16"
@@ -834,8 +836,9 @@ def budget_probe(part: str = "all") -> list[Cell]:
 
     ``ngram``: n-gram k=64 (lookup 2..10) on V1's CPU proposer, sync
     scheduling; two cells on MRV2 (GPU n-gram there on v0.33.0, rejected on
-    v0.26.0). ``ngram_default``: the same grid on the default runner (what a
-    user gets: MRV2 on v0.33.0, V1 on v0.26.0). ``ngram_gpu``: the same grid
+    v0.26.0). ``ngram_default``: the same grid as a user gets it: the default
+    runner and vLLM's default scheduling (MRV2 and async scheduling on
+    v0.33.0, V1 and sync on v0.26.0). ``ngram_gpu``: the same grid
     with ``ngram_gpu`` and async scheduling on the default runner; two cells
     on V1. ``mtp``: MTP k=3 on the default runner in align mode, async
     scheduling, and two sync cells."""
@@ -863,7 +866,7 @@ def budget_probe(part: str = "all") -> list[Cell]:
     parts = {
         "ngram": grid("ngram", 64, "v1", False) + corners("ngram", 64, "mrv2", False),
         # the runner a user gets (MRV2 on v0.33.0, V1 on v0.26.0), whole grid
-        "ngram_default": grid("ngram", 64, "default", False),
+        "ngram_default": grid("ngram", 64, "default", None),
         "ngram_gpu": grid("ngram_gpu", 64, "default", True)
         + corners("ngram_gpu", 64, "v1", True),
         "mtp": grid("mtp", 3, "default", True, modes=("align",))

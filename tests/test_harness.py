@@ -601,6 +601,7 @@ def test_budget_probe_slice(line):
             assert c.runner == "default" and c.cache_mode == "align"
         if c.drafter == "ngram_gpu":
             assert c.async_sched
+        assert kw["async_scheduling"] is c.async_sched
     for d in ("ngram", "ngram_gpu"):
         assert {s[1:] for s in seen if s[0] == d} == {
             (b, s, pc) for b in (96, 128) for s in (4, 8) for pc in (False, True)
@@ -610,11 +611,14 @@ def test_budget_probe_slice(line):
     }
     assert any(c.drafter == "mtp" and c.async_sched for c in cells)
     assert any(c.drafter == "mtp" and not c.async_sched for c in cells)
-    # the runner a user gets: the whole n-gram grid, sync scheduling
+    # what a user gets: the default runner and vLLM's default scheduling
+    # (async_scheduling not passed: None, which EngineArgs reads as "decide")
     default = slice_cells("budget-probe-ngram_default")
     assert len(default) == 8 and {c.runner for c in default} == {"default"}
     assert {c.drafter for c in default} == {"ngram"}
-    assert not any(c.async_sched for c in default)
+    assert {c.async_sched for c in default} == {None}
+    kw = engine_kwargs(default[0], "/fa", spec_config(default[0]))
+    assert kw["async_scheduling"] is None
     with pytest.raises(ValueError):
         slice_cells("budget-probe-eagle")
 
