@@ -21,10 +21,11 @@ trailer of this series only, is dropped). Beside the repository lies
 ``--check`` runs, per branch, upstream's own pre-commit checks on the changed
 files (ruff and typos at the versions pinned in the tree's
 ``.pre-commit-config.yaml``, installed into ``build/<tag>/pr-tools``; its SPDX
-header script on new files; mypy when installed there) and the tests the patch
-touches on the CPU test bed: with the change (must pass) and with the non-test
-part of the change reverted (must fail). Results are recorded in the
-description and cached per branch tree.
+header script on new files; vLLM's mypy hook with its pinned dependencies,
+failing only for errors that the parent commit does not have) and the tests
+the patch touches on the CPU test bed: with the change (must pass) and with
+the non-test part of the change reverted (must fail). Results are recorded in
+the description and cached per branch tree (and ``CHECKS_VERSION``).
 
 Upstream main cannot be fetched here, so the branches target the release tag
 and must be rebased by whoever opens the PR.
@@ -35,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -786,44 +788,190 @@ def _precommit_rev(tree: Path, repo_url_part: str) -> str | None:
     return m.group(1) if m else None
 
 
+def _install(py: Path, name: str, specs: list[str]) -> str | None:
+    """pip-install ``specs`` into the venv of ``py`` unless its stamp file
+    says they are there; None when that works, else why not."""
+    spec = " ".join(specs)
+    stamp = py.parent.parent / f".{name}-version"
+    if stamp.exists() and stamp.read_text() == spec:
+        return None
+    info(f"installing {spec} into {py.parent.parent}")
+    proc = subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", *specs],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        info(f"{spec} does not install from the index ({why})")
+        return f"{spec} did not install from the index"
+    stamp.write_text(spec)
+    return None
+
+
+def mypy_hook(config: dict) -> dict | None:
+    """vLLM's mypy hook in a loaded ``.pre-commit-config.yaml``: the first
+    hook whose id is ``mypy`` (v0.33.0) or ``mypy-<python>`` (v0.26.0 has
+    one per Python version and runs the first, the oldest, on commit; its CI
+    runs them all)."""
+    for repo in config.get("repos") or []:
+        for hook in repo.get("hooks") or []:
+            if re.fullmatch(r"mypy(-[\d.]+)?", str(hook.get("id", ""))):
+                return hook
+    return None
+
+
 def tools_env(tree: Path, out: Path) -> dict[str, str | None]:
     """Paths of ruff, typos and mypy at upstream's pinned versions, in a
     venv under ``out``; a value is None where it cannot be installed (the
-    reason is printed)."""
-    want = {
-        "ruff": _precommit_rev(tree, "astral-sh/ruff-pre-commit"),
-        "typos": _precommit_rev(tree, "crate-ci/typos"),
-    }
+    reason is printed and kept under ``<name>_skipped``). Each tool installs
+    once (a stamp file holds what was installed).
+
+    mypy is installed as pre-commit installs vLLM's mypy hook (see
+    ``mypy_hook``): the hook's ``additional_dependencies`` (mypy pinned, stub
+    packages, pydantic for the ``pydantic.mypy`` plugin of ``pyproject.toml``)
+    and nothing else, so mypy resolves imports as in upstream's CI, which has
+    no torch or transformers beside mypy either (``ignore_missing_imports``
+    makes what is missing ``Any``). ``mypy_entry`` is the hook's ``entry``.
+    The config is read with PyYAML installed into that venv too: hsfork runs
+    on the system python with the standard library only, and the configs use
+    YAML anchors and merge keys (v0.26.0's mypy hooks)."""
     venv = out / "pr-tools"
     py = venv / "bin" / "python"
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    found: dict[str, str | None] = {}
-    for name, version in want.items():
-        exe = venv / "bin" / name
-        spec = f"{name}=={version}" if version else name
-        stamp = venv / f".{name}-version"
-        if not (exe.exists() and stamp.exists() and stamp.read_text() == spec):
-            proc = subprocess.run(
-                [str(py), "-m", "pip", "install", "-q", spec],
-                capture_output=True,
-                text=True,
-            )
-            if proc.returncode != 0:
-                info(f"{spec} does not install from the index: {name} check skipped")
-                found[name] = None
-                continue
-            stamp.write_text(spec)
-        found[name] = str(exe)
-    mypy = venv / "bin" / "mypy"
-    found["mypy"] = str(mypy) if mypy.exists() else None
-    found["venv"] = str(venv)
+    found: dict[str, str | None] = {"venv": str(venv)}
+    for name, url in (
+        ("ruff", "astral-sh/ruff-pre-commit"),
+        ("typos", "crate-ci/typos"),
+    ):
+        version = _precommit_rev(tree, url)
+        why = _install(py, name, [f"{name}=={version}" if version else name])
+        found[name] = None if why else str(venv / "bin" / name)
+        if why:
+            found[f"{name}_skipped"] = why
+    found["mypy"] = None
+    cfg = tree / ".pre-commit-config.yaml"
+    why = _install(py, "pyyaml", ["PyYAML"]) if cfg.exists() else "no " + cfg.name
+    hook = None
+    if not why:
+        proc = subprocess.run(
+            [
+                str(py),
+                "-c",
+                "import json,sys,yaml; print(json.dumps(yaml.safe_load(sys.stdin)))",
+            ],
+            input=cfg.read_text(),
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode:
+            why = f"{cfg.name} does not load: {proc.stderr.strip()[-300:]}"
+        else:
+            hook = mypy_hook(json.loads(proc.stdout) or {})
+    if hook and hook.get("entry"):
+        deps = [str(d) for d in hook.get("additional_dependencies") or []]
+        if not any(re.match(r"mypy\b(?![-_])", d) for d in deps):
+            deps = ["mypy", *deps]
+        why = _install(py, "mypy", deps)
+        found["mypy_entry"] = hook["entry"]
+    elif not why:
+        why = f"the tree's {cfg.name} has no mypy hook"
+    if why:
+        found["mypy_skipped"] = why
+        info(f"mypy check skipped: {why}")
+    else:
+        found["mypy"] = str(venv / "bin" / "mypy")
     return found
 
 
 def _run(cmd: list[str], cwd: Path, env: dict | None = None) -> tuple[int, str]:
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
     return proc.returncode, (proc.stdout or "") + (proc.stderr or "")
+
+
+_MYPY_ERROR = re.compile(r"^([^\s:]+):\d+:(?:\d+:)? error: (.*)$", re.M)
+
+
+def mypy_errors(out: str) -> list[tuple[str, str]]:
+    """(file, message) of every error line of mypy's output. Line numbers are
+    dropped, also inside messages ("... on line 12"): the patch moves lines."""
+    return [
+        (path, re.sub(r"\bline \d+", "line N", msg.strip()))
+        for path, msg in _MYPY_ERROR.findall(out)
+    ]
+
+
+def new_mypy_errors(out: str, base_out: str) -> list[str]:
+    """The error lines of ``out`` that ``base_out`` (the same hook on the
+    same files at the parent commit) does not have: an error counts as
+    pre-existing when the parent has an error with the same file and
+    message, as often as the parent has it."""
+    left: dict[tuple[str, str], int] = {}
+    for key in mypy_errors(base_out):
+        left[key] = left.get(key, 0) + 1
+    new = []
+    for m in _MYPY_ERROR.finditer(out):
+        key = mypy_errors(m.group(0))[0]
+        if left.get(key):
+            left[key] -= 1
+        else:
+            new.append(m.group(0))
+    return new
+
+
+def mypy_check(repo: Path, tools: dict, files: list[str], base: str) -> dict:
+    """vLLM's mypy hook (its ``entry``, ``python`` being the tools venv's, so
+    mypy sees the hook's dependencies only, as under pre-commit) on
+    ``files`` at HEAD. The check fails only for errors that the patch brings:
+    when HEAD has errors, the hook runs again on the same files (those that
+    exist there) at ``base``, and errors that ``base`` has too (same file,
+    same message) are pre-existing (see ``new_mypy_errors``). mypy's cache
+    lies in the tools venv, so the second run is incremental."""
+    bindir = Path(tools["mypy"]).parent
+    argv = shlex.split(tools["mypy_entry"])
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = str(bindir / "python")
+    env = dict(os.environ)
+    env["PATH"] = str(bindir) + os.pathsep + env.get("PATH", "")
+    env["MYPY_CACHE_DIR"] = str(bindir.parent / "mypy-cache")
+    version = " ".join(_run([tools["mypy"], "--version"], repo)[1].split()[:2])
+    name = f"{version} ({' '.join(argv[1:])})"
+    rc, out = _run([*argv, *files], repo, env)
+    errors = mypy_errors(out)
+    base_out = ""
+    if errors:
+        here = git(repo, "symbolic-ref", "-q", "--short", "HEAD", check=False)
+        back = here.stdout.strip() or git(repo, "rev-parse", "HEAD").stdout.strip()
+        git(repo, "checkout", "-q", "-f", "--detach", base)
+        try:
+            at_base = [f for f in files if (repo / f).exists()]
+            if at_base:
+                base_out = _run([*argv, *at_base], repo, env)[1]
+        finally:
+            git(repo, "checkout", "-q", "-f", back)
+    new = new_mypy_errors(out, base_out)
+    pre = len(errors) - len(new)
+    if rc and not errors:
+        status, ok = f"FAIL (mypy exited {rc} without error lines)", False
+    elif new:
+        status, ok = f"FAIL ({len(new)} new error(s), {pre} pre-existing)", False
+    elif pre:
+        status, ok = f"pass ({pre} pre-existing error(s), none new)", True
+    else:
+        status, ok = "pass", True
+    output = out[-4000:]
+    if new:
+        output = "new errors:\n" + "\n".join(new) + "\n\nfull output:\n" + output
+    return {
+        "name": name,
+        "status": status,
+        "ok": ok,
+        "errors": len(errors),
+        "preexisting": pre,
+        "new": len(new),
+        "output": output,
+    }
 
 
 def lint_branch(repo: Path, tools: dict, base: str) -> dict[str, dict]:
@@ -866,36 +1014,20 @@ def lint_branch(repo: Path, tools: dict, base: str) -> dict[str, dict]:
             *_run([typos, "--force-exclude", *changed], repo),
         )
     elif not typos:
+        why = tools.get("typos_skipped") or "typos is not installed"
         res["typos"] = {
-            "status": "skipped: typos did not install from the index",
+            "status": f"skipped: {why}",
             "ok": True,
             "skipped": True,
             "output": "",
         }
-    mypy_hook = repo / "tools" / "pre_commit" / "mypy.py"
-    if tools.get("mypy") and mypy_hook.exists() and py:
-        env = dict(os.environ)
-        env["PATH"] = str(Path(tools["mypy"]).parent) + os.pathsep + env.get("PATH", "")
-        record(
-            "mypy (tools/pre_commit/mypy.py local)",
-            *_run(
-                [
-                    str(Path(tools["mypy"]).parent / "python"),
-                    str(mypy_hook),
-                    "local",
-                    *py,
-                ],
-                repo,
-                env,
-            ),
-        )
+    if tools.get("mypy") and py:
+        r = mypy_check(repo, tools, py, base)
+        res[r.pop("name")] = r
     elif py:
-        cfg = repo / ".pre-commit-config.yaml"
-        pinned = re.search(r"mypy==[\w.]+", cfg.read_text()) if cfg.exists() else None
-        spec = pinned.group(0) if pinned else "mypy"
+        why = tools.get("mypy_skipped") or "mypy is not installed"
         res["mypy"] = {
-            "status": f"skipped: not installed (vLLM's hook pins {spec}; "
-            f"pip install it into {tools.get('venv', 'the tools venv')} to run it)",
+            "status": f"skipped: {why}",
             "ok": True,
             "skipped": True,
             "output": "",
@@ -988,8 +1120,14 @@ def testbed_python(pin: Pin) -> Path:
     return venv_dir(pin) / "bin" / "python"
 
 
+# bumped when the checks change, so that results recorded by older checks
+# (mypy skipped before 2) are not reused
+CHECKS_VERSION = 2
+
+
 def _cache_key(repo: Path, branch: str) -> str:
-    return git(repo, "rev-parse", f"{branch}^{{tree}}").stdout.strip()
+    tree = git(repo, "rev-parse", f"{branch}^{{tree}}").stdout.strip()
+    return f"{tree} checks-v{CHECKS_VERSION}"
 
 
 def make_package(

@@ -240,3 +240,112 @@ def test_refs_name_patches_of_the_series():
 def test_process_word_check_catches_them():
     assert process_words("Tested in our harness matrix, session s5.")
     assert process_words("Fixes #12 on the decode path.") == []
+
+
+# ---------------------------------------------------------------------------
+# mypy: the hook of the config, and errors new vs pre-existing (no real mypy)
+
+_PRECOMMIT = """\
+repos:
+- repo: local
+  hooks:
+  - id: mypy-3.10 # TODO: a comment
+    entry: python tools/pre_commit/mypy.py "3.10"
+    <<: &mypy_common
+      language: python
+      additional_dependencies: ["mypy==1.20.2", regex, types-torch, pydantic]
+  - id: mypy-3.11
+    entry: python tools/pre_commit/mypy.py "3.11"
+    <<: *mypy_common
+    stages: [manual]
+"""
+
+
+def test_mypy_hook_of_a_config():
+    yaml = pytest.importorskip("yaml")
+    hook = pr.mypy_hook(yaml.safe_load(_PRECOMMIT))
+    assert hook["entry"] == 'python tools/pre_commit/mypy.py "3.10"'
+    assert hook["additional_dependencies"][0] == "mypy==1.20.2"
+    assert pr.mypy_hook({"repos": [{"repo": "local", "hooks": [{"id": "x"}]}]}) is None
+    for pin in _real_lines():
+        cfg = hf.fork_dir(pin) / ".pre-commit-config.yaml"
+        if cfg.exists():
+            hook = pr.mypy_hook(yaml.safe_load(cfg.read_text()))
+            assert "tools/pre_commit/mypy.py" in hook["entry"], pin.tag
+            assert any(
+                d.startswith("mypy==") for d in hook["additional_dependencies"]
+            ), pin.tag
+
+
+_BASE_OUT = """\
+$ mypy --python-version 3.11
+vllm/a.py:10: error: Incompatible types in assignment  [assignment]
+vllm/a.py:20: error: Incompatible types in assignment  [assignment]
+vllm/a.py:30:5: error: Name "x" already defined on line 3  [no-redef]
+vllm/a.py:31: note: See https://mypy.rtfd.io
+Found 3 errors in 1 file (checked 1 source file)
+"""
+
+
+def test_new_mypy_errors_ignore_moved_lines():
+    """Errors of the parent commit count as pre-existing wherever the patch
+    moved them, as often as the parent has them; anything else is new."""
+    out = (
+        _BASE_OUT.replace(":10:", ":12:")
+        .replace(":30:5:", ":33:5:")
+        .replace("line 3 ", "line 4 ")
+    )
+    assert pr.new_mypy_errors(out, _BASE_OUT) == []
+    assert len(pr.mypy_errors(out)) == 3
+    extra = (
+        "vllm/a.py:40: error: Incompatible types in assignment  [assignment]\n"
+        "vllm/b.py:1: error: Incompatible types in assignment  [assignment]\n"
+    )
+    assert pr.new_mypy_errors(out + extra, _BASE_OUT) == extra.splitlines()
+    assert len(pr.new_mypy_errors(out, "")) == 3  # no parent output: all new
+
+
+_FAKE_HOOK = """\
+import sys
+from pathlib import Path
+
+assert sys.argv[1] == "3.11", sys.argv
+bad = 0
+for f in sys.argv[2:]:
+    for n, line in enumerate(Path(f).read_text().splitlines(), 1):
+        if line.startswith("# error:"):
+            print(f"{f}:{n}: error:{line[8:]}")
+            bad = 1
+sys.exit(bad)
+"""
+
+
+def test_mypy_check_fails_for_new_errors_only(tmp_path):
+    """The hook runs on the branch and, when that has errors, on the parent
+    commit too; the branch is checked out again afterwards."""
+    repo = tmp_path / "vllm"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    old = "# error: old one  [misc]\nx = 1\n"
+    _commit(repo, {"tools/pre_commit/mypy.py": _FAKE_HOOK, "vllm/a.py": old}, "base")
+    git(repo, "checkout", "-q", "-b", "pr/01-x")
+    _commit(repo, {"vllm/a.py": "\n" + old, "vllm/b.py": "y = 2\n"}, "moves it")
+    bindir = tmp_path / "tools" / "bin"
+    bindir.mkdir(parents=True)
+    (bindir / "python").symlink_to(sys.executable)
+    (bindir / "mypy").write_text("#!/bin/sh\necho 'mypy 1.20.2 (compiled: yes)'\n")
+    (bindir / "mypy").chmod(0o755)
+    tools = {
+        "mypy": str(bindir / "mypy"),
+        "mypy_entry": 'python tools/pre_commit/mypy.py "3.11"',
+    }
+    res = pr.lint_branch(repo, tools, "HEAD~1")
+    r = res["mypy 1.20.2 (tools/pre_commit/mypy.py 3.11)"]
+    assert r["ok"] and (r["errors"], r["preexisting"], r["new"]) == (1, 1, 0), r
+    assert "pre-existing" in r["status"]
+    assert git(repo, "symbolic-ref", "--short", "HEAD").strip() == "pr/01-x"
+    _commit(repo, {"vllm/b.py": "# error: new one  [misc]\n"}, "adds one")
+    r = pr.mypy_check(repo, tools, ["vllm/a.py", "vllm/b.py"], "HEAD~1")
+    assert not r["ok"] and (r["errors"], r["preexisting"], r["new"]) == (2, 1, 1)
+    assert "vllm/b.py:1: error: new one" in r["output"]
+    assert git(repo, "symbolic-ref", "--short", "HEAD").strip() == "pr/01-x"
