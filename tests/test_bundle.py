@@ -90,11 +90,15 @@ def test_parts_respect_size_and_manifest(bundle):
 
 def test_roundtrip_install(bundle, tmp_path):
     out, manifest, wheel = bundle
-    # parts arrive in a staging folder, as after several uploads
+    # parts arrive in a staging folder, one upload folder (a part, the
+    # manifest, the installer) at a time, as hsfork/gpu_stage.sh copies them
     staging = tmp_path / "staging"
     staging.mkdir()
-    for f in out.iterdir():
-        (staging / f.name).write_bytes(f.read_bytes())
+    uploads = sorted(out.glob("upload-*"))
+    assert len(uploads) == len(manifest["parts"])
+    for upload in uploads:
+        for f in upload.iterdir():
+            (staging / f.name).write_bytes(f.read_bytes())
     target = tmp_path / "target"
     proc = _install(staging, target, "--check")
     assert proc.returncode == 0, proc.stderr

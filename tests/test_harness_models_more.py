@@ -260,7 +260,9 @@ def test_vllm_model_loads_every_parameter(vllm_results, spec):
     assert r["unloaded"] == [], r["unloaded"]
     assert r["unexpected"] == [], r["unexpected"]
     assert r["nan"] == [], r["nan"]
-    assert r["params"] >= 8  # the smallest: an MTP step of one attention layer
+    # not an empty model: the smallest is NemotronH's MTP step of one
+    # attention layer (7 parameters on v0.33.0, 8 on v0.26.0)
+    assert r["params"] >= 7
 
 
 # -- the subprocess ----------------------------------------------------------
@@ -295,6 +297,26 @@ def _stand_in_platform() -> str | None:
         None,
     )
     mla.get_mla_prefill_backend = lambda vllm_config: lambda **kw: None
+    # v0.33.0's Kimi-Linear (vllm/models/kimi_k3) creates an auxiliary CUDA
+    # stream at construction; it is only used in forward
+
+    class NoStream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+    torch.cuda.Stream = NoStream
+
+    # and picks its MLA prefill backend through the platform (v0.26.0:
+    # mla_attention.get_mla_prefill_backend, patched above)
+    class NoMLAPrefill:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        @staticmethod
+        def get_name() -> str:
+            return "none (CPU load check)"
+
+    platform.get_mla_prefill_backend_cls = staticmethod(lambda *a, **k: NoMLAPrefill)
     return None
 
 
@@ -425,7 +447,10 @@ def _subprocess_main(specs: list) -> None:
             try:
                 r.update(_check(path, arch, dtype, init))
             except Exception as e:  # reported per architecture
-                r["error"] = f"{type(e).__name__}: {e}"
+                import traceback
+
+                where = traceback.format_exc(limit=-12)
+                r["error"] = f"{type(e).__name__}: {e}\n{where}"
         results.append(r)
     print("RESULT " + json.dumps(results), flush=True)
 
