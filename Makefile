@@ -13,10 +13,10 @@ UPSTREAM_TESTS = $(shell grep -v '^\s*\(\#\|$$\)' patches/$(TAG)/upstream-tests.
 PYTEST_ARGS ?=
 
 .PHONY: help lines fetch sync export version wheel testbed fixtures lint test \
-	test-line test-ours test-upstream bundle clean pr
+	test-line test-ours test-upstream bundle torch-bundle clean pr
 
 help:
-	@echo "make [BASE=current|stable] lines | fetch | sync | export | version | wheel | test | lint | bundle | pr | clean"
+	@echo "make [BASE=current|stable] lines | fetch | sync | export | version | wheel | test | lint | bundle | torch-bundle | pr | clean"
 
 lines:
 	@$(HSFORK) lines
@@ -65,6 +65,15 @@ test-upstream:
 
 bundle: wheel
 	$(VENV_PY) -m hsfork bundle
+
+# The torch/triton stack the line declares (v0.33.0: torch 2.14.0), pruned to
+# sm_$(KEEP_SM) and split into uploads for the air-gapped GPU hosts, which have
+# torch 2.11 (hsfork/stage_torch.py; docs/gpu-host.md).
+# USE_HOST="--use-host nvidia-nccl-cu13" takes a library from the host anyway.
+KEEP_SM ?= 90
+USE_HOST ?=
+torch-bundle:
+	$(HSFORK) torch-bundle --keep-sm $(KEEP_SM) $(USE_HOST)
 
 # The upstream PR package (docs/upstreaming.md): a branch and a description
 # per patch in build/<tag>/pr/, with upstream's checks and red/green tests

@@ -1,4 +1,5 @@
-"""Command line: python -m hsfork {fetch,sync,export,version,wheel,bundle,...}."""
+"""Command line: python -m hsfork {fetch,sync,export,version,wheel,bundle,
+torch-bundle,...}."""
 
 from __future__ import annotations
 
@@ -43,6 +44,36 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--wheels", default=None, help="folder of dependency wheels to include (cp312)"
+    )
+    p = sub.add_parser(
+        "torch-bundle",
+        help="pack the torch/triton stack the line declares for an air-gapped host",
+    )
+    p.add_argument("--out", default=None, help="default: build/<tag>/torch-bundle")
+    p.add_argument(
+        "--part-size",
+        default="auto",
+        help="largest part (e.g. 30M); auto: one upload beside the working tree",
+    )
+    p.add_argument(
+        "--keep-sm",
+        default="90",
+        help="keep the GPU code of this architecture only (all: keep everything)",
+    )
+    p.add_argument(
+        "--use-host",
+        action="append",
+        default=[],
+        metavar="DIST",
+        help="take this CUDA library from the host even where its version is "
+        "older than torch needs (e.g. nvidia-nccl-cu13 on one GPU); repeatable",
+    )
+    p.add_argument("--xz-level", default="6", help="xz preset (6, 9e, ...)")
+    p.add_argument("--xz-threads", type=int, default=2)
+    p.add_argument(
+        "--wheels",
+        default=None,
+        help="download folder (default .cache/torch-stack/<tag>)",
     )
     sub.add_parser("testbed", help="create or update the line's CPU test bed venv")
     p = sub.add_parser("fixtures", help="write the offline model cache")
@@ -99,6 +130,18 @@ def main(argv: list[str] | None = None) -> int:
                 part_size=args.part_size,
                 with_optional=args.with_optional or args.include,
                 wheels=args.wheels,
+            )
+        elif args.cmd == "torch-bundle":
+            from .stage_torch import make_torch_bundle, parse_keep_sm
+
+            make_torch_bundle(
+                out=args.out,
+                part_size=args.part_size,
+                keep_sm=parse_keep_sm(args.keep_sm),
+                level=args.xz_level,
+                threads=args.xz_threads,
+                wheels_dir=args.wheels,
+                use_host=args.use_host,
             )
         elif args.cmd == "testbed":
             from .testbed import ensure_testbed
