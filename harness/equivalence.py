@@ -799,7 +799,72 @@ def slice_cells(name: str) -> list[Cell]:
             ]
         cells.append(Cell("qwen3_next", "mtp", 3, 8, async_sched=True))
         return cells
+    if name == "families" or name.startswith("families-"):
+        return family_cells(name.removeprefix("families").lstrip("-") or "all")
     raise ValueError(f"unknown slice {name}")
+
+
+# Whether each of the other hybrid families (harness.models.FAMILY_KINDS) has
+# a speculative decoding path in vLLM's source, per line; a string says why
+# not. Neither line refuses a speculative config for any of them at config
+# time (the fork refuses it for Kimi-Linear only), so an unsupported family's
+# cells are expected to diverge or fail: they record that it should be
+# refused (docs/harness.md, "Hybrid families").
+_MAMBA1 = (
+    "Mamba1 mixer: decode calls selective_state_update without "
+    "num_accepted_tokens or spec state indices (v0.26.0 "
+    "layers/mamba/mamba_mixer.py:431, v0.33.0 :377)"
+)
+FAMILY_SPEC = {
+    "falcon_h1": {"v0.26.0": True, "v0.33.0": True},
+    "zamba2": {"v0.26.0": True, "v0.33.0": True},
+    "mamba2": {"v0.26.0": True, "v0.33.0": True},
+    "jamba": {"v0.26.0": _MAMBA1, "v0.33.0": _MAMBA1},
+    "mamba": {"v0.26.0": _MAMBA1, "v0.33.0": _MAMBA1},
+    "lfm2": {
+        "v0.26.0": "ShortConv: no spec path (layers/mamba/short_conv.py reads "
+        "no num_accepted_tokens; its metadata builder has no spec fields)",
+        "v0.33.0": True,
+    },
+    "qwen3_5_moe": {"v0.26.0": True, "v0.33.0": True},
+    "olmo_hybrid": {"v0.26.0": True, "v0.33.0": True},
+}
+FAMILY_SPEC["lfm2_moe"] = FAMILY_SPEC["lfm2"]
+
+
+def family_cells(kind: str = "all") -> list[Cell]:
+    """The other hybrid families (slice ``families``, or ``families-<kind>``
+    for one), bf16 on V1 and the default runner. A family with a spec path
+    on some line: n-gram k=5 and k=64, scripted drafts, none and align mode
+    with prefix hits, MTP where the fixture has a head (V1 and the default
+    runner; scripted drafts through the MTP speculator on MRV2). A family
+    with none on either line (Mamba1: Jamba, Mamba): one n-gram and one
+    scripted cell, expected to be refused (``FAMILY_SPEC`` says why)."""
+    from .models import FAMILY_KINDS, FIXTURES
+
+    if kind == "all":
+        return [c for k in FAMILY_KINDS for c in family_cells(k)]
+    if kind not in FAMILY_KINDS:
+        raise ValueError(f"unknown family {kind!r}")
+    m, d = kind, "default"
+    if not any(v is True for v in FAMILY_SPEC[m].values()):
+        return [Cell(m, "ngram", 5, 8), Cell(m, "scripted:heterogeneous", 4, 8)]
+    cells = [
+        Cell(m, "ngram", 5, 8),
+        Cell(m, "ngram", 64, 8),
+        Cell(m, "scripted:heterogeneous", 4, 8),
+        Cell(m, "ngram", 5, 8, "v1", "align"),
+        Cell(m, "scripted:accept_then_zero", 4, 8, "v1", "align"),
+        Cell(m, "ngram", 5, 8, d),
+        Cell(m, "ngram", 64, 8, d, "align"),
+    ]
+    if FIXTURES[m]["mtp"]:
+        cells += [
+            Cell(m, "mtp", 3, 8, async_sched=True),
+            Cell(m, "mtp", 3, 8, d, "align", async_sched=True),
+            Cell(m, "scripted:accept_then_zero", 4, 8, "mrv2"),
+        ]
+    return cells
 
 
 REGRESSIONS = Path(__file__).resolve().parent / "regressions"

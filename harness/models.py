@@ -3,7 +3,9 @@
 Kinds (``KINDS``; ``FIXTURES`` says what vLLM runs for each): Qwen3.5 (GDN +
 attention, MTP weights), NemotronH (Mamba2), Qwen3-Next (GDN + attention,
 MoE, MTP weights), Kimi-Linear (KDA + MLA, MoE) and Granite-4.0-H (Mamba2,
-dense).
+dense); and the other hybrid families (``FAMILY_FIXTURES``, slice
+``families``): Falcon-H1, Zamba2, Jamba, LFM2, LFM2-MoE, Mamba, Mamba2,
+Qwen3.5-MoE (MTP weights) and OLMo-hybrid.
 
 Deterministic from a seed; each is written in seconds on a CPU (transformers'
 own model classes make the weights, so the checkpoint names are the ones vLLM
@@ -323,6 +325,322 @@ def granite_h_config(vocab: int = VOCAB) -> dict:
     }
 
 
+# -- the other hybrid families (issue "every hybrid family") -----------------
+# Each in the layout vLLM's own model class loads, written by transformers'
+# class of the family (``FAMILY_HF``); vLLM and transformers both have a
+# config class for each (vLLM v0.26.0 its own for LFM2-MoE and OLMo-hybrid).
+
+
+def falcon_h1_config(vocab: int = VOCAB) -> dict:
+    """Falcon-H1: every layer runs attention and a Mamba2 mixer in
+    parallel (two layers), a dense MLP; the muP multipliers at 1."""
+    return {
+        "architectures": ["FalconH1ForCausalLM"],
+        "model_type": "falcon_h1",
+        "vocab_size": vocab,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "mamba_d_ssm": 512,
+        "mamba_n_heads": 16,
+        "mamba_d_head": 32,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 64,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 64,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+        "mamba_rms_norm": True,
+        "mamba_norm_before_gate": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "rms_norm_eps": 1e-5,
+        "initializer_range": 0.02,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "eos_token_id": EOS_ID,
+        "bos_token_id": 1,
+        "pad_token_id": 0,
+        "dtype": "float32",
+    }
+
+
+def zamba2_config(vocab: int = VOCAB) -> dict:
+    """Zamba2: three Mamba2 layers and one hybrid layer (the shared
+    attention block, with its LoRA adapter, before a Mamba2 layer). vLLM's
+    ``Zamba2ForCausalLM`` always ties the output head to the embedding."""
+    return {
+        "architectures": ["Zamba2ForCausalLM"],
+        "model_type": "zamba2",
+        "vocab_size": vocab,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "layers_block_type": ["mamba", "mamba", "hybrid", "mamba"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_mamba_heads": 8,
+        "mamba_d_state": 64,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_ngroups": 1,
+        "chunk_size": 64,
+        "use_conv_bias": True,
+        "add_bias_linear": False,
+        "hidden_act": "gelu",
+        "num_mem_blocks": 1,
+        "use_shared_attention_adapter": True,
+        "adapter_rank": 8,
+        "use_mem_rope": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "rms_norm_eps": 1e-5,
+        "initializer_range": 0.02,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "eos_token_id": EOS_ID,
+        "bos_token_id": 1,
+        "pad_token_id": 0,
+        "dtype": "float32",
+    }
+
+
+def jamba_config(vocab: int = VOCAB) -> dict:
+    """Jamba: Mamba (v1) layers 0, 1, 3 and attention layer 2; layers 1
+    and 3 a small MoE (4 experts, top 2), 0 and 2 a dense MLP."""
+    return {
+        "architectures": ["JambaForCausalLM"],
+        "model_type": "jamba",
+        "vocab_size": vocab,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "attn_layer_period": 4,
+        "attn_layer_offset": 2,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_dt_rank": 16,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.02,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "eos_token_id": EOS_ID,
+        "bos_token_id": 1,
+        "pad_token_id": 0,
+        "dtype": "float32",
+    }
+
+
+def _lfm2_layers() -> list[str]:
+    return ["conv", "conv", "full_attention", "conv"]
+
+
+def lfm2_config(vocab: int = VOCAB) -> dict:
+    """LFM2: three gated short-convolution layers and one attention layer
+    (QK-norm), dense MLPs. vLLM's ``Lfm2ForCausalLM`` ties the output head
+    to the embedding."""
+    return {
+        "architectures": ["Lfm2ForCausalLM"],
+        "model_type": "lfm2",
+        "vocab_size": vocab,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "layer_types": _lfm2_layers(),
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        # vLLM's Lfm2 reads the widths of the published config
+        "block_dim": 256,
+        "conv_dim": 256,
+        "conv_dim_out": 256,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_auto_adjust_ff_dim": False,
+        "block_multiple_of": 64,
+        "block_ffn_dim_multiplier": 1.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "norm_eps": 1e-5,
+        "initializer_range": 0.02,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "eos_token_id": EOS_ID,
+        "bos_token_id": 1,
+        "pad_token_id": 0,
+        "dtype": "float32",
+    }
+
+
+def lfm2_moe_config(vocab: int = VOCAB) -> dict:
+    """LFM2-MoE: LFM2's layers, layer 0 a dense MLP, the others a small MoE
+    (4 experts, top 2, sigmoid router with an expert bias)."""
+    return {
+        "architectures": ["Lfm2MoeForCausalLM"],
+        "model_type": "lfm2_moe",
+        "vocab_size": vocab,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "layer_types": _lfm2_layers(),
+        "num_dense_layers": 1,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "use_expert_bias": True,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "norm_eps": 1e-5,
+        "initializer_range": 0.02,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "eos_token_id": EOS_ID,
+        "bos_token_id": 1,
+        "pad_token_id": 0,
+        "dtype": "float32",
+    }
+
+
+def mamba_config(vocab: int = VOCAB) -> dict:
+    """Pure Mamba (v1): two layers, no attention."""
+    return {
+        "architectures": ["MambaForCausalLM"],
+        "model_type": "mamba",
+        "vocab_size": vocab,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "state_size": 16,
+        "expand": 2,
+        "conv_kernel": 4,
+        "time_step_rank": 16,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hidden_act": "silu",
+        "residual_in_fp32": True,
+        "use_mambapy": False,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "eos_token_id": EOS_ID,
+        "bos_token_id": 1,
+        "pad_token_id": 0,
+        "dtype": "float32",
+    }
+
+
+def mamba2_config(vocab: int = VOCAB) -> dict:
+    """Pure Mamba2: two layers, no attention."""
+    return {
+        "architectures": ["Mamba2ForCausalLM"],
+        "model_type": "mamba2",
+        "vocab_size": vocab,
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "num_heads": 16,
+        "head_dim": 32,
+        "n_groups": 1,
+        "state_size": 64,
+        "expand": 2,
+        "conv_kernel": 4,
+        "chunk_size": 64,
+        "time_step_rank": 16,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hidden_act": "silu",
+        "residual_in_fp32": True,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "eos_token_id": EOS_ID,
+        "bos_token_id": 1,
+        "pad_token_id": 0,
+        "dtype": "float32",
+    }
+
+
+def qwen3_5_moe_config(vocab: int = VOCAB, mtp_layers: int = 1) -> dict:
+    """Qwen3.5-MoE: the Qwen3.5 fixture (``qwen3_5_config``: three GDN
+    layers, one gated attention layer, a small vision tower) with every MLP
+    a small MoE (4 experts, top 2, a shared expert), MTP weights."""
+    cfg = qwen3_5_config(vocab, mtp_layers)
+    cfg["architectures"] = ["Qwen3_5MoeForConditionalGeneration"]
+    cfg["model_type"] = "qwen3_5_moe"
+    cfg["vision_config"]["model_type"] = "qwen3_5_moe"
+    text = cfg["text_config"]
+    text["model_type"] = "qwen3_5_moe_text"
+    del text["intermediate_size"]
+    text.update(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+    )
+    return cfg
+
+
+def olmo_hybrid_config(vocab: int = VOCAB) -> dict:
+    """OLMo-hybrid: three Gated DeltaNet layers (separate q/k/v short
+    convs, negative eigenvalues allowed) and one attention layer."""
+    return {
+        "architectures": ["OlmoHybridForCausalLM"],
+        "model_type": "olmo_hybrid",
+        "vocab_size": vocab,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "hidden_act": "silu",
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "linear_allow_neg_eigval": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.02,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "eos_token_id": EOS_ID,
+        "bos_token_id": 1,
+        # not 0: the padding row of the embedding is zero (prompts use id 0)
+        "pad_token_id": EOS_ID,
+        "dtype": "float32",
+    }
+
+
+# kind -> (config writer, transformers' config and model class)
+FAMILY_HF = {
+    "falcon_h1": (falcon_h1_config, "FalconH1Config", "FalconH1ForCausalLM"),
+    "zamba2": (zamba2_config, "Zamba2Config", "Zamba2ForCausalLM"),
+    "jamba": (jamba_config, "JambaConfig", "JambaForCausalLM"),
+    "lfm2": (lfm2_config, "Lfm2Config", "Lfm2ForCausalLM"),
+    "lfm2_moe": (lfm2_moe_config, "Lfm2MoeConfig", "Lfm2MoeForCausalLM"),
+    "mamba": (mamba_config, "MambaConfig", "MambaForCausalLM"),
+    "mamba2": (mamba2_config, "Mamba2Config", "Mamba2ForCausalLM"),
+    "olmo_hybrid": (olmo_hybrid_config, "OlmoHybridConfig", "OlmoHybridForCausalLM"),
+}
+
+
 def qwen3_5_hf_config(cfg_dict: dict):
     """transformers' ``Qwen3_5Config`` of a config written here."""
     from transformers import Qwen3_5Config
@@ -405,6 +723,21 @@ EMBED_STD = {
     "qwen3_next": None,
     "kimi_linear": None,
     "granitemoehybrid": 1.0,
+    "falcon_h1": 1.0,
+    "zamba2": None,
+    "jamba": 0.3,
+    "lfm2": None,
+    "lfm2_moe": None,
+    "mamba": 0.3,
+    "mamba2": 1.0,
+    "qwen3_5_moe": None,
+    "olmo_hybrid": None,
+}
+# the final norm of the kinds whose output head vLLM ties to the embedding
+TIED_FINAL_NORM = {
+    "zamba2": "model.final_layernorm.weight",
+    "lfm2": "model.embedding_norm.weight",
+    "lfm2_moe": "model.embedding_norm.weight",
 }
 
 # The fixtures, for callers that pick a model by kind: the architecture vLLM
@@ -463,6 +796,52 @@ FIXTURES: dict[str, dict] = {
         "engine_kwargs": {},
     },
 }
+
+
+def _family(arch: str, mixers: str, **kw) -> dict:
+    return {
+        "architecture": arch,
+        "mixers": mixers,
+        "mtp": False,
+        "mtp_architecture": None,
+        "dtype": "float32",
+        "engine_kwargs": {},
+    } | kw
+
+
+# The other hybrid families (slice ``families``), each with the vLLM lines
+# whose registry has its class (``lines``). Qwen3.5-MoE is written as the
+# multimodal class as the Qwen3.5 fixture is (v0.26.0 has no
+# ``Qwen3_5MoeForCausalLM``).
+FAMILY_FIXTURES: dict[str, dict] = {
+    "falcon_h1": _family("FalconH1ForCausalLM", "Mamba2 ∥ attention"),
+    "zamba2": _family("Zamba2ForCausalLM", "Mamba2 + shared attention"),
+    "jamba": _family("JambaForCausalLM", "Mamba1 + attention, MoE"),
+    "lfm2": _family("Lfm2ForCausalLM", "short conv + attention"),
+    "lfm2_moe": _family("Lfm2MoeForCausalLM", "short conv + attention, MoE"),
+    "mamba": _family("MambaForCausalLM", "Mamba1"),
+    "mamba2": _family("Mamba2ForCausalLM", "Mamba2"),
+    "qwen3_5_moe": _family(
+        "Qwen3_5MoeForConditionalGeneration",
+        "GDN + gated attention, MoE",
+        mtp=True,
+        mtp_architecture="Qwen3_5MoeMTP",
+        engine_kwargs=dict(FIXTURES["qwen3_5"]["engine_kwargs"]),
+    ),
+    # vLLM (v0.26.0 and v0.33.0) cannot load it: the fused conv1d's weight
+    # loader (olmo_gdn_linear_attn.py, _make_fused_conv1d_weight_loader)
+    # indexes its sections by a shard id that AutoWeightsLoader never passes
+    # (the WeightsMapper puts it on the tensor as ``.shard_id``), for the
+    # split q/k/v_conv1d of the published layout and the fused conv1d alike
+    "olmo_hybrid": _family(
+        "OlmoHybridForCausalLM",
+        "GDN + attention",
+        engine_kwargs={"gdn_prefill_backend": "triton"},
+        vllm_loads=False,
+    ),
+}
+FIXTURES.update(FAMILY_FIXTURES)
+FAMILY_KINDS = tuple(FAMILY_FIXTURES)
 KINDS = tuple(FIXTURES)
 
 
@@ -476,6 +855,13 @@ def _shape_weights(model, kind: str, lm_head_std: float, seed: int) -> None:
         if EMBED_STD[kind] is not None:
             e = model.get_input_embeddings().weight
             e.copy_(torch.randn(e.shape, generator=g) * EMBED_STD[kind])
+        if kind in TIED_FINAL_NORM:
+            # tied head (the embedding, std lm_head_std): with a unit final
+            # norm every logit row favours the last token (its embedding
+            # dominates the residual stream), so the output repeats one
+            # token. A zero-mean random gain removes that self-preference.
+            n = model.get_parameter(TIED_FINAL_NORM[kind])
+            n.copy_(torch.randn(n.shape, generator=g))
 
 
 def _mtp_layer_copy(state: dict, prefix: str, g, std: float, norm) -> dict:
@@ -589,6 +975,29 @@ def _hf_model(kind: str, vocab: int, mtp: bool):
         from transformers import GraniteMoeHybridForCausalLM as cls
 
         cfg_dict = granite_h_config(vocab)
+    elif kind == "qwen3_5_moe":
+        from transformers import (
+            Qwen3_5MoeConfig,
+            Qwen3_5MoeForConditionalGeneration,
+        )
+
+        cfg_dict = qwen3_5_moe_config(vocab, mtp_layers=1 if mtp else 0)
+        hf_cfg = Qwen3_5MoeConfig(
+            text_config=cfg_dict["text_config"],
+            vision_config=cfg_dict["vision_config"],
+            image_token_id=IMAGE_ID,
+            video_token_id=VIDEO_ID,
+            vision_start_token_id=VISION_START_ID,
+            vision_end_token_id=VISION_END_ID,
+        )
+        return cfg_dict, Qwen3_5MoeForConditionalGeneration(hf_cfg)
+    elif kind in FAMILY_HF:
+        import transformers
+
+        writer, cfg_name, cls_name = FAMILY_HF[kind]
+        cfg_cls = getattr(transformers, cfg_name)
+        cls = getattr(transformers, cls_name)
+        cfg_dict = writer(vocab)
     else:
         raise ValueError(f"unknown model kind {kind!r}")
     skip = ("architectures", "model_type")
@@ -621,8 +1030,19 @@ def checkpoint_tensors(model, kind: str, cfg_dict: dict) -> dict:
                 and int(parts[2]) < cfg_dict["first_k_dense_replace"]
             ):
                 name = ".".join(parts[:3] + ["mlp"] + parts[4:])
+        if kind == "olmo_hybrid":
+            # transformers' reverse renaming of the norms also catches the
+            # attention layers' post_attention_layernorm; vLLM's
+            # OlmoHybridModel loads the norms under transformers' names
+            name = name.replace(".attention_layer_norm.", ".input_layernorm.")
+            name = name.replace(
+                ".feedforward_layer_norm.", ".post_attention_layernorm."
+            )
         # clone: reverted experts may be views of one fused tensor
         out[name] = t.contiguous().clone()
+    if cfg_dict.get("tie_word_embeddings"):
+        # tied: the checkpoint has the embedding only (vLLM ties the head)
+        out.pop("lm_head.weight", None)
     return out
 
 
@@ -658,6 +1078,7 @@ def write_model(
     """Write config, safetensors weights and a tokenizer for ``kind`` (one
     of ``KINDS``) into ``out``. ``mtp`` adds MTP weights where the kind has
     them (``FIXTURES[kind]["mtp"]``)."""
+    import torch
     from safetensors.torch import save_file
 
     cfg_dict, model = build_model(kind, seed, vocab, lm_head_std, mtp)
@@ -667,6 +1088,16 @@ def write_model(
     tensors = checkpoint_tensors(model, kind, cfg_dict)
     if kind == "qwen3_5" and mtp:
         tensors.update(_mtp_tensors(model, cfg_dict["text_config"], seed))
+    if kind == "qwen3_5_moe" and mtp:
+        tensors.update(
+            _mtp_layer_tensors(
+                tensors,
+                cfg_dict["text_config"],
+                "model.language_model.",
+                seed,
+                torch.ones_like,
+            )
+        )
     if kind == "qwen3_next" and mtp:
         tensors.update(_qwen3_next_mtp_tensors(tensors, cfg_dict, seed))
     if kind == "nemotron_h" and mtp:
