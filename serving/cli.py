@@ -84,6 +84,14 @@ JOBS = [
         "(deterministic, seconds).",
     ),
     Job(
+        "refusals",
+        "serving.refusals",
+        "[--line v0.26.0|v0.33.0|both] [--no-cli] [--only ID]",
+        "Try every speculative configuration refused for hybrid models at "
+        "config time, as LLM(...) and as `vllm serve`, on the fork and on "
+        "upstream (CPU); write the table to reports/serving/LINE/.",
+    ),
+    Job(
         "fake-server",
         "serving.fake_server",
         "MODEL --port P [--fake-mode fastapply]",
