@@ -799,6 +799,25 @@ def slice_cells(name: str) -> list[Cell]:
             ]
         cells.append(Cell("qwen3_next", "mtp", 3, 8, async_sched=True))
         return cells
+    if name == "tp2":
+        # tensor parallelism: GDN and Mamba2 heads sharded over 2 ranks, each
+        # rank keeping its own slice of the recurrent state (needs 2 GPUs;
+        # the fixtures' head counts divide by 2): n-gram k=64 and MTP k=3,
+        # none and align, CUDA graphs, async scheduling with MTP, on the
+        # default runner and V1
+        fa, fp, tp = FASTAPPLY, "full_and_piecewise", {"tensor_parallel_size": 2}
+        cells = []
+        for r in ("default", "v1"):
+            for cm in ("none", "align"):
+                cells += [
+                    Cell(fa, "ngram", 64, 8, r, cm, graphs=fp, max_tokens=128,
+                         extra=tp),
+                    Cell(fa, "mtp", 3, 8, r, cm, graphs=fp, async_sched=True,
+                         max_tokens=128, extra=tp),
+                    Cell("nemotron_h", "mtp", 3, 8, r, cm, graphs=fp,
+                         async_sched=True, extra=tp),
+                ]  # fmt: skip
+        return cells
     if name == "families" or name.startswith("families-"):
         return family_cells(name.removeprefix("families").lstrip("-") or "all")
     raise ValueError(f"unknown slice {name}")

@@ -770,3 +770,37 @@ def test_equivalence_imports_the_task_without_the_fastapply_module():
     proc = _run_python("-c", code)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "2"
+
+
+def test_tp2_slice_shards_every_recurrent_head_count():
+    """The tensor-parallel cells (2 GPUs): n-gram k=64 and MTP on both
+    runners and cache modes, every cell with tensor_parallel_size 2, on
+    fixtures whose attention, GDN and Mamba2 head counts divide by 2."""
+    from harness.equivalence import FASTAPPLY, engine_kwargs, slice_cells, spec_config
+    from harness.models import nemotron_h_config, qwen3_5_config
+
+    cells = slice_cells("tp2")
+    assert len(cells) == 12
+    assert {(c.drafter, c.k) for c in cells} == {("ngram", 64), ("mtp", 3)}
+    assert {(c.runner, c.cache_mode) for c in cells} == {
+        (r, cm) for r in ("default", "v1") for cm in ("none", "align")
+    }
+    assert {c.model for c in cells} == {FASTAPPLY, "nemotron_h"}
+    for c in cells:
+        kw = engine_kwargs(c, "/m", spec_config(c))
+        assert kw["tensor_parallel_size"] == 2
+        assert kw["enforce_eager"] is False
+    fastapply = (
+        Path(__file__).resolve().parents[1] / "fixtures" / "fastapply" / "config.json"
+    )
+    for cfg in (
+        qwen3_5_config(),
+        nemotron_h_config(),
+        json.loads(fastapply.read_text()),
+    ):
+        text = cfg.get("text_config", cfg)
+        heads = {k: v for k, v in text.items() if k.endswith(("_heads", "n_groups"))}
+        assert len(heads) >= 2, text
+        # a group count of 1 is replicated on every rank
+        assert all(v % 2 == 0 or k.endswith("n_groups") and v == 1
+                   for k, v in heads.items()), heads  # fmt: skip
