@@ -6,7 +6,7 @@ PYTHON ?= python3
 BASE ?= current
 export HSFORK_BASE := $(BASE)
 HSFORK := $(PYTHON) -m hsfork
-TAG = $(shell $(HSFORK) lines | awk '$$1 == "*" {print $$3}')
+TAG = $(shell HSFORK_BASE=$(BASE) $(HSFORK) lines | awk '$$1 == "*" {print $$3}')
 VENV_PY = .venv/$(TAG)/bin/python
 # tests to run from the fork's own tree (upstream tests for the code we patch)
 UPSTREAM_TESTS = $(shell grep -v '^\s*\(\#\|$$\)' patches/$(TAG)/upstream-tests.txt)
