@@ -460,6 +460,17 @@ def resolve_part_size(text: str | int) -> int:
     return parse_size(text)
 
 
+def payload_manifest(payload: Path, parts: list[Path]) -> dict:
+    """The manifest entries the host installers check: the payload's and
+    each part's name, size and sha256."""
+
+    def entry(path: Path) -> dict:
+        return {"name": path.name, "size": path.stat().st_size,
+                "sha256": sha256_file(path)}  # fmt: skip
+
+    return {"payload": entry(payload), "parts": [entry(p) for p in parts]}
+
+
 def write_upload_dirs(out: Path, parts: list[Path]) -> list[Path]:
     """``out/upload-N/``: part N with manifest.json and install.sh, as hard
     links (copies where links fail): one folder to carry per upload."""
@@ -506,15 +517,7 @@ def build_bundle(
         parts = split(payload, part_size, out)
         manifest = {
             "version": version,
-            "payload": {
-                "name": payload.name,
-                "size": payload.stat().st_size,
-                "sha256": sha256_file(payload),
-            },
-            "parts": [
-                {"name": p.name, "size": p.stat().st_size, "sha256": sha256_file(p)}
-                for p in parts
-            ],
+            **payload_manifest(payload, parts),
             "part_size": part_size,
             "with_optional": sorted(optional_keys(with_optional)),
             "keep_sm": keep_sm,

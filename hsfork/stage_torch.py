@@ -77,12 +77,13 @@ from .bundle import (
     _pip_target_args,
     canonical,
     host_versions,
+    payload_manifest,
     resolve_part_size,
     split,
     worktree_size,
     write_upload_dirs,
 )
-from .common import REPO, ToolError, build_dir, info, load_pin, sha256_file
+from .common import REPO, ToolError, build_dir, info, load_pin
 from .fatbin import _sections, prune
 
 INSTALL_SH = Path(__file__).with_name("install_torch_stack.sh")
@@ -492,15 +493,7 @@ def build_torch_bundle(
         parts = split(payload, part_size, out)
         manifest = {
             "torch": torch_version,
-            "payload": {
-                "name": payload.name,
-                "size": payload.stat().st_size,
-                "sha256": sha256_file(payload),
-            },
-            "parts": [
-                {"name": p.name, "size": p.stat().st_size, "sha256": sha256_file(p)}
-                for p in parts
-            ],
+            **payload_manifest(payload, parts),
             "part_size": part_size,
             "keep_sm": keep_sm,
             "carried": [asdict(d) for d in decisions if d.carry],
