@@ -36,6 +36,8 @@ from pathlib import Path
 VOCAB = 256
 # special ids at the top of the small vocabulary
 EOS_ID = VOCAB - 1
+# the special token ids of every generated config
+SPECIAL_IDS = {"eos_token_id": EOS_ID, "bos_token_id": 1, "pad_token_id": 0}
 IMAGE_ID, VIDEO_ID, VISION_START_ID, VISION_END_ID = (
     VOCAB - 6,
     VOCAB - 5,
@@ -166,9 +168,7 @@ def nemotron_h_config(vocab: int = VOCAB, mtp_layers: int = 1) -> dict:
         "initializer_range": 0.02,
         "max_position_embeddings": 8192,
         "tie_word_embeddings": False,
-        "eos_token_id": EOS_ID,
-        "bos_token_id": 1,
-        "pad_token_id": 0,
+        **SPECIAL_IDS,
         "dtype": "float32",
     } | mtp
 
@@ -318,9 +318,7 @@ def granite_h_config(vocab: int = VOCAB) -> dict:
         "initializer_range": 0.02,
         "max_position_embeddings": 8192,
         "tie_word_embeddings": False,
-        "eos_token_id": EOS_ID,
-        "bos_token_id": 1,
-        "pad_token_id": 0,
+        **SPECIAL_IDS,
         "dtype": "float32",
     }
 
@@ -362,9 +360,7 @@ def falcon_h1_config(vocab: int = VOCAB) -> dict:
         "initializer_range": 0.02,
         "max_position_embeddings": 8192,
         "tie_word_embeddings": False,
-        "eos_token_id": EOS_ID,
-        "bos_token_id": 1,
-        "pad_token_id": 0,
+        **SPECIAL_IDS,
         "dtype": "float32",
     }
 
@@ -401,9 +397,7 @@ def zamba2_config(vocab: int = VOCAB) -> dict:
         "initializer_range": 0.02,
         "max_position_embeddings": 8192,
         "tie_word_embeddings": True,
-        "eos_token_id": EOS_ID,
-        "bos_token_id": 1,
-        "pad_token_id": 0,
+        **SPECIAL_IDS,
         "dtype": "float32",
     }
 
@@ -437,9 +431,7 @@ def jamba_config(vocab: int = VOCAB) -> dict:
         "initializer_range": 0.02,
         "max_position_embeddings": 8192,
         "tie_word_embeddings": False,
-        "eos_token_id": EOS_ID,
-        "bos_token_id": 1,
-        "pad_token_id": 0,
+        **SPECIAL_IDS,
         "dtype": "float32",
     }
 
@@ -476,9 +468,7 @@ def lfm2_config(vocab: int = VOCAB) -> dict:
         "initializer_range": 0.02,
         "max_position_embeddings": 8192,
         "tie_word_embeddings": True,
-        "eos_token_id": EOS_ID,
-        "bos_token_id": 1,
-        "pad_token_id": 0,
+        **SPECIAL_IDS,
         "dtype": "float32",
     }
 
@@ -510,9 +500,7 @@ def lfm2_moe_config(vocab: int = VOCAB) -> dict:
         "initializer_range": 0.02,
         "max_position_embeddings": 8192,
         "tie_word_embeddings": True,
-        "eos_token_id": EOS_ID,
-        "bos_token_id": 1,
-        "pad_token_id": 0,
+        **SPECIAL_IDS,
         "dtype": "float32",
     }
 
@@ -538,9 +526,7 @@ def mamba_config(vocab: int = VOCAB) -> dict:
         "layer_norm_epsilon": 1e-5,
         "initializer_range": 0.02,
         "tie_word_embeddings": False,
-        "eos_token_id": EOS_ID,
-        "bos_token_id": 1,
-        "pad_token_id": 0,
+        **SPECIAL_IDS,
         "dtype": "float32",
     }
 
@@ -568,9 +554,7 @@ def mamba2_config(vocab: int = VOCAB) -> dict:
         "layer_norm_epsilon": 1e-5,
         "initializer_range": 0.02,
         "tie_word_embeddings": False,
-        "eos_token_id": EOS_ID,
-        "bos_token_id": 1,
-        "pad_token_id": 0,
+        **SPECIAL_IDS,
         "dtype": "float32",
     }
 
