@@ -35,7 +35,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LINES = ("v0.26.0", "v0.33.0")
-DATE = "2026-11-25"
+# the date a run writes into its report folder name (today)
+DATE = time.strftime("%Y-%m-%d")
 WORK = Path("/tmp/hsfork-refusals")
 MODEL = "FIXTURES"  # the fixtures folder (harness.models), in a run its path
 CLI_TIMEOUT_S = 240.0
