@@ -42,6 +42,13 @@ JOBS: dict[str, Job] = {
         "write FULL.md and heatmaps from the reports in DIR "
         "(= full-matrix summarize DIR)",
     ),
+    "support-table": Job(
+        "support_table",
+        (),
+        "the README's support table (model family x drafter) from a line's "
+        "newest whole-matrix report; --readme FILE rewrites its marked region, "
+        "--check only compares",
+    ),
     "report": Job(
         "report",
         (),
@@ -110,8 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # argparse names the program after argv[0]: the module that runs the job
     sys.argv[0] = f"python -m harness.{job.module}"
-    _entry(job.module)([*job.prefix, *rest])
-    return 0
+    rc = _entry(job.module)([*job.prefix, *rest])
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":

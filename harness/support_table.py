@@ -1,0 +1,317 @@
+"""The README's support table (model family × drafter), generated from the
+newest whole-matrix report of a line, so that it cannot drift from the
+evidence.
+
+``python -m harness support-table [DIR] [--line v0.26.0] [--readme README.md]
+[--check]`` reads the slice reports ``<slice>-<variant>.json`` in ``DIR``
+(default: the newest ``reports/equivalence/<line>/full-matrix-*`` folder, by
+the date in its name) through :func:`harness.full_matrix.collect` and prints
+a markdown table: one row per target family (the cells' ``model``), one
+column per drafter kind (the cells' ``drafter``), and in each entry the fork's
+cells per runner and cache mode: how many were identical (``ok``), diverged,
+errored or refused at config time (``rejected``), or ``not run`` where the
+matrix has no such cell. Errors and refusals carry a footnote, the reason cut
+from the cell's error text, one footnote per distinct reason. Upstream's
+totals go in one line below the table.
+
+With ``--readme``, the table replaces the region of that file between
+
+    <!-- support-table BEGIN line=<line> dir=<report folder> -->
+    <!-- support-table END -->
+
+(the marker's ``dir`` is rewritten to the folder used); with ``--check`` the
+file is left alone and the exit status is 1 where the region is not the
+generator's output for the folder the marker names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+from .full_matrix import collect
+
+REPO = Path(__file__).resolve().parent.parent
+
+# the cells' ``model`` -> a readable family name (unknown names pass through)
+FAMILIES: dict[str, str] = {
+    "qwen3_5": "Qwen3.5 (GDN), random weights",
+    "fastapply": "Qwen3.5 fast-apply fixture, trained",
+    "nemotron_h": "NemotronH (Mamba2)",
+    "qwen3_next": "Qwen3-Next (GDN, MoE)",
+    "granitemoehybrid": "Granite-4.0-H (Mamba2)",
+    "kimi_linear": "Kimi-Linear (KDA)",
+    "qwen3_5_moe": "Qwen3.5-MoE (GDN)",
+    "falcon_h1": "Falcon-H1 (Mamba2)",
+    "zamba2": "Zamba2 (Mamba2)",
+    "mamba2": "Mamba2",
+    "jamba": "Jamba (Mamba)",
+    "mamba": "Mamba",
+    "lfm2": "LFM2 (short conv)",
+    "lfm2_moe": "LFM2-MoE (short conv)",
+    "olmo_hybrid": "OLMo-hybrid (GDN)",
+}
+# the cells' ``drafter`` -> a drafter kind (``scripted:<schedule>`` -> scripted)
+DRAFTERS: dict[str, str] = {
+    "ngram": "n-gram",
+    "ngram_gpu": "GPU n-gram",
+    "mtp": "MTP",
+    "eagle3": "EAGLE-3",
+    "draft_model:dense": "draft model (attention-only)",
+    "draft_model": "draft model (hybrid)",
+    "scripted": "scripted drafts (test drafter)",
+}
+RUNNERS: dict[str, str] = {"v1": "V1", "mrv2": "MRV2", "default": "default"}
+RUNNER_TEXT = {"v1": "V1", "mrv2": "MRV2 = Model Runner V2",
+               "default": "default = the line's default runner"}  # fmt: skip
+CACHE_MODES = ("none", "align", "all")
+# status -> word; the order in which an entry lists them
+WORDS = {"ok": "identical", "diverged": "diverged", "error": "errored",
+         "rejected": "refused"}  # fmt: skip
+SUPER = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
+BEGIN = re.compile(r"<!-- support-table BEGIN line=(\S+) dir=(\S+) -->\n")
+END = "<!-- support-table END -->"
+
+
+def _ordered(seen: set[str], known) -> list[str]:
+    """``seen`` in the order of ``known``, names it lacks after them, sorted."""
+    return [k for k in known if k in seen] + sorted(seen - set(known))
+
+
+def family(model: str) -> str:
+    return FAMILIES.get(model, model)
+
+
+def drafter_kind(drafter: str) -> str:
+    return "scripted" if drafter.startswith("scripted:") else drafter
+
+
+def reason(cell: dict) -> str:
+    """A one-sentence reason from a refused or failed cell's error text:
+    pydantic's ``Value error, ...`` message, else the last ``XError: ...``
+    line's message; cut at a dumped collection and after the first
+    sentence, at most 200 characters."""
+    text = str(cell.get("error") or cell.get("reason") or "").strip()
+    m = re.search(r"Value error, (.*?)(?: \[type=|$)", text, re.S)
+    if m:
+        msg = m.group(1)
+    else:
+        found = re.findall(r"^\s*[\w.]*(?:Error|Exception)\w*: (.+)$", text, re.M)
+        msg = found[-1] if found else (text.splitlines() or ["no reason given"])[0]
+    msg = " ".join(msg.split())
+    msg = re.split(r":? [{\[]", msg, maxsplit=1)[0]
+    msg = re.split(r"(?<=[.!?])\s", msg, maxsplit=1)[0].rstrip(".:")
+    if len(msg) > 200:
+        msg = msg[:199].rsplit(" ", 1)[0] + "…"
+    return msg.replace("|", "/") or "no reason given"
+
+
+def newest(line: str, root: Path = REPO) -> Path:
+    """The newest whole-matrix report folder of ``line``."""
+    dirs = sorted(
+        (root / "reports" / "equivalence" / line).glob("full-matrix-*"),
+        key=lambda p: (_date(p.name), p.name),
+    )
+    if not dirs:
+        raise SystemExit(f"no reports/equivalence/{line}/full-matrix-* folder")
+    return dirs[-1]
+
+
+def _date(name: str) -> str:
+    m = re.search(r"\d{4}-\d{2}-\d{2}", name)
+    return m.group(0) if m else ""
+
+
+def _line_of(report_dir: Path) -> str:
+    for part in reversed(report_dir.resolve().parts):
+        if re.fullmatch(r"v\d+\.\d+\.\d+\S*", part):
+            return part
+    return "?"
+
+
+def _rel(path: Path, base: Path) -> str:
+    return Path(os.path.relpath(path.resolve(), base.resolve())).as_posix()
+
+
+def table(report_dir: Path, line: str | None = None, base: Path | None = None) -> str:
+    """The support table of the reports in ``report_dir`` (markdown, ending
+    in a newline); links are relative to ``base`` (default: the repo)."""
+    report_dir = Path(report_dir)
+    base = REPO if base is None else Path(base)
+    line = line or _line_of(report_dir)
+    got = collect(report_dir)
+    fork = [c for c, _ in got["fork"].values()]
+    upstream = [c for c, _ in got["upstream"].values()]
+    if not fork:
+        raise SystemExit(f"{report_dir}: no fork cells")
+    models = _ordered({c["model"] for c in fork}, FAMILIES)
+    drafters = _ordered({drafter_kind(c["drafter"]) for c in fork}, DRAFTERS)
+    runners = _ordered({c["runner"] for c in fork}, RUNNERS)
+    modes = _ordered({c["cache_mode"] for c in fork}, CACHE_MODES)
+
+    notes: dict[str, int] = {}  # reason -> footnote number, in order of use
+
+    def mark(c: dict) -> str:
+        if c["status"] not in ("error", "rejected"):
+            return ""
+        return str(notes.setdefault(reason(c), len(notes) + 1)).translate(SUPER)
+
+    def counts(cells: list[dict]) -> str:
+        n = Counter((c["status"], mark(c)) for c in cells)
+        order = list(WORDS)
+        return ", ".join(
+            f"{k} {'**diverged**' if s == 'diverged' else WORDS[s]}{fn}"
+            for (s, fn), k in sorted(n.items(), key=lambda x: (order.index(x[0][0]),
+                                                               x[0][1]))
+        )  # fmt: skip
+
+    def entry(cells: list[dict]) -> str:
+        if not cells:
+            return "not run"
+        parts = []
+        for r in runners:
+            rc = [c for c in cells if c["runner"] == r]
+            name = RUNNERS.get(r, r)
+            if not rc:
+                parts.append(f"{name}: not run")
+                continue
+            per = []
+            for m in modes:
+                mc = [c for c in rc if c["cache_mode"] == m]
+                per.append(f"{m} " + (counts(mc) if mc else "not run"))
+            parts.append(f"{name}: " + "; ".join(per))
+        return "<br>".join(parts)
+
+    rows = []
+    for m in models:
+        mc = [c for c in fork if c["model"] == m]
+        label = family(m)
+        kv = {c.get("kv_cache_dtype") or "auto" for c in mc} - {"auto"}
+        if kv:
+            label += ", incl. " + (
+                "TurboQuant KV cache"
+                if all(k.startswith("turboquant") for k in kv)
+                else "KV cache " + "/".join(sorted(kv))
+            )
+        cols = [
+            entry([c for c in mc if drafter_kind(c["drafter"]) == d]) for d in drafters
+        ]
+        rows.append(f"| {label} | " + " | ".join(cols) + " |")
+
+    def totals(cells: list[dict]) -> str:
+        n = Counter(c["status"] for c in cells)
+        return ", ".join(f"{n[s]} {WORDS[s]}" for s in WORDS)
+
+    link = report_dir / "README.md"
+    link = link if link.exists() else report_dir
+    meta = ", ".join(
+        x
+        for x in (
+            f"line {line}",
+            next((g.upper() for g in re.findall(r"[a-z]\d{2,4}", report_dir.name)), ""),
+            _date(report_dir.name),
+        )
+        if x
+    )
+    caption = (
+        f"Generated by `python -m harness support-table` from "
+        f"[`{report_dir.name}`]({_rel(link, base)}) ({meta}): the fork's "
+        f"{len(fork)} cells ({totals(fork)}), counted per model runner ("
+        + ", ".join(RUNNER_TEXT.get(r, r) for r in runners)
+        + ") and mamba cache mode ("
+        + " / ".join(modes)
+        + "); refused = rejected at config time; not run = no such cell in the "
+        "matrix."
+    )
+    head = "| target | " + " | ".join(DRAFTERS.get(d, d) for d in drafters) + " |"
+    out = [caption, "", head, "|" + "---|" * (len(drafters) + 1), *rows, ""]
+    if upstream:
+        ups = _ordered({c["model"] for c in upstream}, FAMILIES)
+        errors = [
+            f"{family(m)} {n} of {len(mc)}"
+            for m in ups
+            for mc in [[c for c in upstream if c["model"] == m]]
+            for n in [sum(c["status"] == "error" for c in mc)]
+            if n
+        ]
+        out.append(
+            f"Upstream {line} in the same matrix ({len(upstream)} cells): "
+            f"{totals(upstream)}"
+            + ("; errored per target: " + "; ".join(errors) if errors else "")
+            + "."
+        )
+        out.append("")
+    if notes:
+        out.append(
+            "Reasons of the errors and refusals, cut from the cells' error text:"
+        )
+        out.append("")
+        out += [f"- {str(i).translate(SUPER)} {r}." for r, i in notes.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def regions(text: str) -> list[tuple[re.Match, int]]:
+    """(BEGIN marker match, index of its END marker) of each region."""
+    out = []
+    for m in BEGIN.finditer(text):
+        end = text.find(END, m.end())
+        if end < 0:
+            raise SystemExit(f"support-table BEGIN line={m.group(1)} without END")
+        out.append((m, end))
+    return out
+
+
+def rewrite(
+    text: str, line: str, report_dir: Path | None, base: Path, root: Path = REPO
+) -> str:
+    """``text`` with the region of ``line`` rebuilt from ``report_dir`` (the
+    folder its marker names where None)."""
+    for m, end in regions(text):
+        if m.group(1) != line:
+            continue
+        d = root / m.group(2) if report_dir is None else Path(report_dir)
+        marker = f"<!-- support-table BEGIN line={line} dir={_rel(d, root)} -->\n"
+        return text[: m.start()] + marker + table(d, line, base) + text[end:]
+    raise SystemExit(f"no support-table region for line {line}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", nargs="?", help="report folder (default: the line's "
+                    "newest reports/equivalence/<line>/full-matrix-*)")  # fmt: skip
+    ap.add_argument("--line", default=None, help="vLLM line (default: from DIR, "
+                    "else v0.26.0)")  # fmt: skip
+    ap.add_argument("--readme", help="rewrite this file's marked region")
+    ap.add_argument("--check", action="store_true", help="with --readme: exit "
+                    "1 if the region is not the generator's output for the folder "
+                    "its marker names; change nothing")  # fmt: skip
+    a = ap.parse_args(argv)
+    line = a.line or (_line_of(Path(a.dir)) if a.dir else "v0.26.0")
+    if not a.readme:
+        d = Path(a.dir) if a.dir else newest(line)
+        sys.stdout.write(table(d, line, Path.cwd()))
+        return 0
+    readme = Path(a.readme)
+    old = readme.read_text()
+    if a.check:
+        new = rewrite(old, line, Path(a.dir) if a.dir else None, readme.parent)
+        if new != old:
+            sys.stderr.write(f"{readme}: the support table of {line} is stale; "
+                             f"run python -m harness support-table --line {line} "
+                             f"--readme {readme}\n")  # fmt: skip
+            return 1
+        return 0
+    d = Path(a.dir) if a.dir else newest(line)
+    new = rewrite(old, line, d, readme.parent)
+    readme.write_text(new)
+    print(f"{readme}: support table of {line} from {d}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The README's support table is generated (``python -m harness
+support-table``): the generator on a tiny synthetic report folder, and the
+README's marked region against the report folder its marker names, so that
+README and evidence cannot drift. No vLLM import."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from harness import support_table as st
+
+REPO = Path(__file__).resolve().parent.parent
+
+REFUSED = (
+    "pydantic_core._pydantic_core.ValidationError: 1 validation error for "
+    "VllmConfig\n  Value error, Currently, async scheduling is only supported "
+    "with EAGLE/MTP kind of speculative decoding [type=value_error, "
+    "input_value=ArgsKwargs((), {'model_co... 'x': 0}), input_type=ArgsKwargs]"
+)
+
+
+def cell(model, drafter, status, runner="v1", cache_mode="none", batch=8, **kw):
+    c = {"model": model, "runner": runner, "cache_mode": cache_mode,
+         "drafter": drafter, "k": 4, "batch": batch, "graphs": "eager",
+         "async": False, "chunked": False, "preempt": False,
+         "kv_cache_dtype": "auto", "status": status, "tokens": 100,
+         "divergences": 3 if status == "diverged" else 0, "ties": 0}  # fmt: skip
+    c.update(kw)
+    return c
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    d = tmp_path / "v9.9.9" / "full-matrix-h100-2030-01-02"
+    d.mkdir(parents=True)
+    fork = [
+        cell("qwen3_5", "ngram", "ok", batch=1),
+        cell("qwen3_5", "ngram", "ok", batch=8),
+        cell("qwen3_5", "ngram", "ok", cache_mode="align"),
+        cell("qwen3_5", "scripted:random", "rejected", error=REFUSED),
+        # the same reason with other trailing text: one footnote
+        cell(
+            "qwen3_5",
+            "scripted:heterogeneous",
+            "rejected",
+            error=REFUSED.replace("'x': 0", "'y': 1"),
+        ),  # fmt: skip
+        cell("qwen3_5", "scripted:all_zero", "ok", runner="mrv2"),
+        cell("nemotron_h", "mtp", "diverged", runner="mrv2", cache_mode="align"),
+        cell(
+            "nemotron_h",
+            "mtp",
+            "error",
+            error="Traceback\nRuntimeError: boom at step 3. More text {'a': 1}",
+        ),  # fmt: skip
+        cell("mystery", "suffix", "ok", kv_cache_dtype="fp8"),
+    ]
+    (d / "a-fork.json").write_text(json.dumps(fork))
+    # a cell two slices share counts once
+    (d / "b-fork.json").write_text(json.dumps(fork[:1]))
+    upstream = [
+        cell("qwen3_5", "ngram", "diverged"),
+        cell("mystery", "suffix", "error"),
+    ]
+    (d / "a-upstream.json").write_text(json.dumps(upstream))
+    return d
+
+
+def parse(md: str) -> dict[tuple[str, str], str]:
+    """(target, drafter column) -> entry of the generated table."""
+    lines = [x for x in md.splitlines() if x.startswith("| ")]
+    head = [h.strip() for h in lines[0].strip("|").split("|")]
+    out = {}
+    for row in lines[1:]:
+        cols = [x.strip() for x in row.strip("|").split("|")]
+        for h, v in zip(head[1:], cols[1:], strict=True):
+            out[cols[0], h] = v
+    return out
+
+
+def test_synthetic_folder(folder: Path):
+    md = st.table(folder, base=folder.parent)
+    t = parse(md)
+    q, n, x = (
+        "Qwen3.5 (GDN), random weights",
+        "NemotronH (Mamba2)",
+        "mystery, incl. KV cache fp8",
+    )
+    columns = ("n-gram", "MTP", "scripted drafts (test drafter)", "suffix")
+    assert set(t) == {(m, d) for m in (q, n, x) for d in columns}
+    assert t[q, "n-gram"] == "V1: none 2 identical; align 1 identical<br>MRV2: not run"
+    assert t[q, "scripted drafts (test drafter)"] == (
+        "V1: none 2 refused¹; align not run<br>MRV2: none 1 identical; align not run"
+    )
+    assert t[n, "MTP"] == (
+        "V1: none 1 errored²; align not run<br>MRV2: none not run; align 1 **diverged**"
+    )
+    assert t[n, "n-gram"] == "not run"
+    assert t[x, "suffix"].startswith("V1: none 1 identical")
+    # footnotes: one per distinct reason, in order of first use
+    notes = [x for x in md.splitlines() if x.startswith("- ")]
+    assert notes == [
+        "- ¹ Currently, async scheduling is only supported with EAGLE/MTP kind "
+        "of speculative decoding.",
+        "- ² boom at step 3.",
+    ]
+    # caption and upstream line
+    assert "(line v9.9.9, H100, 2030-01-02)" in md
+    # the cell two slices share counts once
+    assert "the fork's 9 cells (5 identical, 1 diverged, 1 errored, 2 refused)" in md
+    assert (
+        "Upstream v9.9.9 in the same matrix (2 cells): 0 identical, 1 diverged, "
+        "1 errored, 0 refused; errored per target: mystery 1 of 1.\n"
+    ) in md
+
+
+def test_reason_shortening():
+    assert st.reason({"error": REFUSED}) == (
+        "Currently, async scheduling is only supported with EAGLE/MTP kind of "
+        "speculative decoding"
+    )
+    assert st.reason({"error": "ValueError: Following weights were not "
+                      "initialized from checkpoint: {'a', 'b'}"}) == (
+        "Following weights were not initialized from checkpoint"
+    )  # fmt: skip
+    assert st.reason({"error": "AssertionError"}) == "AssertionError"
+    assert st.reason({}) == "no reason given"
+
+
+def test_readme_region_rewritten_alone(folder: Path, tmp_path: Path):
+    readme = tmp_path / "README.md"
+    marker = f"<!-- support-table BEGIN line=v9.9.9 dir={folder} -->\n"
+    readme.write_text(f"before\n\n{marker}stale\n{st.END}\n\nafter\n")
+    assert st.main([str(folder), "--readme", str(readme), "--check"]) == 1
+    assert st.main([str(folder), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("before\n\n<!-- support-table BEGIN line=v9.9.9 dir=")
+    assert text.endswith(f"{st.END}\n\nafter\n")
+    assert st.table(folder, "v9.9.9", tmp_path) in text
+    assert st.main(["--line", "v9.9.9", "--readme", str(readme), "--check"]) == 0
+
+
+def test_readme_matches_the_reports():
+    """README.md's generated region is the generator's output for the report
+    folder its marker names; if this fails, run
+    ``python -m harness support-table --readme README.md``."""
+    text = (REPO / "README.md").read_text()
+    found = st.regions(text)
+    assert found, "README.md has no support-table region"
+    for m, end in found:
+        line, folder = m.group(1), REPO / m.group(2)
+        assert folder.is_dir(), f"the marker names a missing folder: {folder}"
+        body = text[m.end() : end]
+        assert body == st.table(folder, line, REPO), (
+            f"README.md's support table of {line} is stale: run python -m "
+            f"harness support-table --line {line} --readme README.md"
+        )
+
+
+def test_readme_region_is_the_newest_matrix():
+    text = (REPO / "README.md").read_text()
+    for m, _ in st.regions(text):
+        assert (REPO / m.group(2)).resolve() == st.newest(m.group(1)).resolve()
+        assert re.search(r"/full-matrix-[^/]*\d{4}-\d{2}-\d{2}$", m.group(2))
+
+
+def test_python_m_harness_support_table_check():
+    from harness.__main__ import main
+
+    readme = str(REPO / "README.md")
+    assert main(["support-table", "--readme", readme, "--check"]) == 0
