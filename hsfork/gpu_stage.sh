@@ -17,13 +17,19 @@ TARGET=${HS_TARGET:-/tmp/hybridspec}
 HERE=$(cd "$(dirname "$0")" && pwd)
 [ $# -ge 1 ] || { echo "usage: $0 UPLOAD_DIR [UPLOAD_DIR ...]" >&2; exit 2; }
 mkdir -p "$STAGING"
-for d in "$@"; do
-  [ -f "$d/manifest.json" ] || { echo "error: $d has no manifest.json" >&2; exit 2; }
-  cp -f "$d"/* "$STAGING"/
-done
 payload_sha() {
   python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["payload"]["sha256"])' "$1"
 }
+for d in "$@"; do
+  [ -f "$d/manifest.json" ] || { echo "error: $d has no manifest.json" >&2; exit 2; }
+  # parts of another payload (a rebuilt bundle: same part names, other
+  # bytes) would count as present and fail the installer's sha256 check
+  if [ -f "$STAGING/manifest.json" ] &&
+     [ "$(payload_sha "$STAGING/manifest.json")" != "$(payload_sha "$d/manifest.json")" ]; then
+    rm -f "$STAGING"/*.part-*
+  fi
+  cp -f "$d"/* "$STAGING"/
+done
 want=$(payload_sha "$STAGING/manifest.json")
 if [ -f "$TARGET/manifest.json" ] && [ "$(payload_sha "$TARGET/manifest.json")" = "$want" ]; then
   echo "[stage] $TARGET already holds this bundle"

@@ -36,15 +36,24 @@ while [ $# -gt 0 ]; do
   shift
 done
 PY=${PYTHON:-python3}
+payload_sha() {
+  "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["payload"]["sha256"])' "$1"
+}
 for d in ${FROM[@]+"${FROM[@]}"}; do
   [ -f "$d/manifest.json" ] || { echo "error: $d has no manifest.json" >&2; exit 2; }
+  # parts of another payload (a rebuilt bundle: same part names, other
+  # bytes) would count as present and then as corrupt
+  if [ -f "$STAGING/manifest.json" ] &&
+     [ "$(payload_sha "$STAGING/manifest.json")" != "$(payload_sha "$d/manifest.json")" ]; then
+    rm -f "$STAGING"/*.part-*
+  fi
   cp -f "$d"/* "$STAGING"/
 done
 MANIFEST="$STAGING/manifest.json"
 [ -f "$MANIFEST" ] || { echo "error: $MANIFEST not found" >&2; exit 1; }
-PAYLOAD_SHA=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["payload"]["sha256"])' "$MANIFEST")
+PAYLOAD_SHA=$(payload_sha "$MANIFEST")
 
-if [ -f "$TARGET/manifest.json" ] && [ "$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["payload"]["sha256"])' "$TARGET/manifest.json")" = "$PAYLOAD_SHA" ]; then
+if [ -f "$TARGET/manifest.json" ] && [ "$(payload_sha "$TARGET/manifest.json")" = "$PAYLOAD_SHA" ]; then
   echo "[torch] $TARGET already holds this payload"
 else
   # 1. every part present and intact (3: some missing, 1: corrupt)
@@ -164,7 +173,6 @@ for entry in sys.path:
         linked.append(f"{name} -> {src}")
 print("[torch] linked from the host: " + (", ".join(linked) or "nothing"))
 EOF
-  cp -f "$MANIFEST" "$TARGET/manifest.json"
   cat >"$TARGET/env.sh" <<EOF
 # source this file to use the staged torch stack (hsfork/stage_torch.py):
 # TARGET comes before the host's site-packages (and its torch); torch's rpath
@@ -173,6 +181,8 @@ export PYTHONPATH="$TARGET\${PYTHONPATH:+:\$PYTHONPATH}"
 export PATH="$TARGET/bin:\$PATH"
 export HSFORK_TORCH_STACK="$TARGET"
 EOF
+  # last: the manifest marks a complete install ("already holds" above)
+  cp -f "$MANIFEST" "$TARGET/manifest.json"
   echo "[torch] installed into $TARGET; use it with:"
   cat "$TARGET/env.sh"
 fi

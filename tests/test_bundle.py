@@ -173,3 +173,46 @@ def test_parse_size():
     assert parse_size("512K") == 512 << 10
     assert parse_size("1GiB") == 1 << 30
     assert parse_size("1000") == 1000
+
+
+GPU_STAGE = Path(__file__).resolve().parent.parent / "hsfork" / "gpu_stage.sh"
+
+
+def _stage(upload: Path, staging: Path, target: Path):
+    env = dict(os.environ, PYTHON=sys.executable, HS_STAGING=str(staging),
+               HS_TARGET=str(target))  # fmt: skip
+    env.pop("PYTHONPATH", None)
+    return subprocess.run(
+        ["bash", str(GPU_STAGE), str(upload)], capture_output=True, text=True, env=env
+    )
+
+
+def test_gpu_stage_one_upload_at_a_time(bundle, tmp_path):
+    """hsfork/gpu_stage.sh: exit 3 naming the missing parts until the last
+    upload, then the install (manifest kept beside it, parts removed); the
+    parts of an unfinished earlier build of the same version are not taken
+    for the new build's."""
+    out, manifest, _ = bundle
+    staging, target = tmp_path / "hs-staging", tmp_path / "hybridspec"
+    uploads = sorted(out.glob("upload-*"), key=lambda d: int(d.name.split("-")[1]))
+    n = len(uploads)
+    # an earlier build of the same version, staged but for its last upload
+    old = tmp_path / "old"
+    old.mkdir()
+    wheel = _fake_fork_wheel(old / f"vllm-{VERSION}-cp38-abi3-linux_x86_64.whl")
+    build_bundle(old / "b", wheel, [], {}, VERSION, part_size=16 * 1024, level="6")
+    old_uploads = sorted((old / "b").glob("upload-*"))
+    for d in old_uploads[:-1]:
+        assert _stage(d, staging, target).returncode == 3
+    # the new build arrives, last upload first
+    for i, d in enumerate(reversed(uploads), 1):
+        proc = _stage(d, staging, target)
+        if i < n:
+            assert proc.returncode == 3, proc.stdout + proc.stderr
+            assert "[stage] waiting for:" in proc.stdout
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"import vllm {VERSION} from {target}" in proc.stdout
+    assert json.loads((target / "manifest.json").read_text()) == manifest
+    assert not list(staging.glob("*.part-*"))
+    proc = _stage(uploads[0], staging, target)
+    assert proc.returncode == 0 and "already holds this bundle" in proc.stdout

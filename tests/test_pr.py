@@ -349,3 +349,13 @@ def test_mypy_check_fails_for_new_errors_only(tmp_path):
     assert not r["ok"] and (r["errors"], r["preexisting"], r["new"]) == (2, 1, 1)
     assert "vllm/b.py:1: error: new one" in r["output"]
     assert git(repo, "symbolic-ref", "--short", "HEAD").strip() == "pr/01-x"
+
+
+def test_placeholder_author_is_refused_on_its_own():
+    """The placeholder check apart from the reserved-domain one (the
+    synthetic series' author is refused by both)."""
+    author = "Series Author <series@maintainers.dev>"
+    p = pr.SeriesPatch(1, Path("0001-x.patch"), "x", author, "", [], [], [], "")
+    with pytest.raises(ToolError, match="placeholder author"):
+        pr.check_identity(author, [p])
+    assert pr.check_identity(SIGNOFF, [p]) == ("Pat Maintainer", "pat@maintainers.dev")

@@ -388,3 +388,26 @@ def test_host_script_python_compiles():
     for block in blocks:
         compile(block, "install_torch_stack.sh", "exec")
     assert "torch.cuda.is_available()" in text and "@triton.jit" in text
+
+
+def test_parts_of_an_earlier_build_are_not_taken(staged, tmp_path):
+    """--from an upload of another payload (a rebuilt bundle: the same part
+    names) clears the staged parts of the earlier one: the new build waits
+    for its own parts instead of calling the earlier ones corrupt."""
+    out, manifest, site = staged
+    old = tmp_path / "old"
+    build_torch_bundle(
+        old, _fake_stack(tmp_path / "o"), _decisions(), "2.14.0",
+        part_size=12 * 1024, keep_sm=90, level="1", threads=1,
+    )  # fmt: skip
+    staging, target = tmp_path / "staging", tmp_path / "torch214"
+    n = len(manifest["parts"])
+    old_n = len(json.loads((old / "manifest.json").read_text())["parts"])
+    for i in range(1, old_n):
+        proc = _run(staging, target, site, "--from", str(old / f"upload-{i}"))
+        assert proc.returncode == 3, proc.stderr
+    for i in range(n, 0, -1):
+        proc = _run(staging, target, site, "--from", str(out / f"upload-{i}"))
+        assert proc.returncode == (0 if i == 1 else 3), proc.stdout + proc.stderr
+    assert (target / "torch" / "__init__.py").exists()
+    assert json.loads((target / "manifest.json").read_text()) == manifest
