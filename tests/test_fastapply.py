@@ -339,8 +339,9 @@ def test_summary_table_lists_every_run():
 def test_task_module_is_pure_and_re_exported():
     """The task generator lives in ``harness.fastapply_task`` (no torch, no
     vLLM, no equivalence matrix); ``harness.fastapply`` re-exports it."""
-    import subprocess
     import sys
+
+    from conftest import run_until_done
 
     from harness import fastapply_task as task
 
@@ -355,6 +356,6 @@ def test_task_module_is_pure_and_re_exported():
         "'harness.fastapply'} & set(sys.modules); assert not bad, bad"
     )
     repo = str(Path(__file__).resolve().parent.parent)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=repo,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = run_until_done([sys.executable, "-c", code], cwd=repo,
+                          what="the fast-apply task import check")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -636,8 +636,9 @@ def test_smoke033_slice_covers_the_moved_apis():
 
 
 def test_dry_run_prints_cells_without_vllm(line, capsys):
-    import subprocess
     import sys
+
+    from conftest import run_until_done
 
     from harness.equivalence import main
 
@@ -664,8 +665,8 @@ def test_dry_run_prints_cells_without_vllm(line, capsys):
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (repo, env.get("PYTHONPATH", "")) if p
     )
-    proc = subprocess.run([sys.executable, "-c", code], env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = run_until_done([sys.executable, "-c", code], env=env,
+                          what="the harness import check")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(proc.stdout.splitlines()) == 1 + 5
 
@@ -723,16 +724,17 @@ def test_harness_modules_import_no_circle():
 
 
 def _run_python(*args: str):
-    import subprocess
     import sys
+
+    from conftest import run_until_done
 
     repo = str(HARNESS.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (repo, env.get("PYTHONPATH", "")) if p
     )
-    return subprocess.run([sys.executable, *args], env=env, cwd=repo,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return run_until_done([sys.executable, *args], env=env, cwd=repo,
+                          what=f"python {' '.join(args)}")  # fmt: skip
 
 
 def test_python_m_harness_help_lists_the_jobs():

@@ -17,7 +17,6 @@ import importlib.util
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -260,9 +259,11 @@ def vllm_results(tmp_path_factory):
         VLLM_KIMI_K3_GEMM_AR="0",
         VLLM_LOGGING_LEVEL="ERROR",
     )
-    proc = subprocess.run(
+    from conftest import run_until_done
+
+    proc = run_until_done(
         [sys.executable, __file__, json.dumps(specs)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+        what="the vLLM load check of the fixtures", cwd=REPO, env=env,
     )  # fmt: skip
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
