@@ -374,11 +374,12 @@ def generate(cell: Cell, model_dir: str, waves, logprobs: int | None,
             b = batches[w] if batches else cell.batch
             for i in range(0, len(prompts), b):
                 chunk = prompts[i : i + b]
-                outs += llm.generate(
-                    [TokensPrompt(prompt_token_ids=p) for p in chunk],
-                    sp,
-                    use_tqdm=False,
-                )
+                with _at_run_time():
+                    outs += llm.generate(
+                        [TokensPrompt(prompt_token_ids=p) for p in chunk],
+                        sp,
+                        use_tqdm=False,
+                    )
         metrics: dict = {}
         try:
             config = llm.llm_engine.vllm_config
@@ -414,11 +415,12 @@ def teacher_forced(
     try:
         # top-k (harness.oracle.TOPK) for the drift oracle; top-2 for verify
         sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=oracle.TOPK)
-        outs = llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p) + list(c)) for p, c in seqs],
-            sp,
-            use_tqdm=False,
-        )
+        with _at_run_time():
+            outs = llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p) + list(c)) for p, c in seqs],
+                sp,
+                use_tqdm=False,
+            )
     finally:
         _shutdown(llm)
     result = []
@@ -469,10 +471,28 @@ def _scripted_env(cell: Cell, workdir: Path, seed: int, prompts, ref_tokens) -> 
     return log
 
 
+AT_RUN_TIME = "hsfork_at_run_time"
+
+
+@contextlib.contextmanager
+def _at_run_time():
+    """Marks an exception raised while an engine decodes (vLLM runs
+    in-process, so its own type reaches us): the cell's ``error``, never a
+    refusal of the configuration (``_error_row``), whatever its type."""
+    try:
+        yield
+    except Exception as e:
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(e, AT_RUN_TIME, True)
+        raise
+
+
 def _error_row(row: dict, e: BaseException) -> None:
     text = "".join(traceback.format_exception_only(type(e), e)).strip()
-    rejected = isinstance(e, (ValueError, NotImplementedError)) or (
-        "not supported" in text.lower()
+    # a refusal is raised while the engine is built, not while it decodes
+    rejected = not getattr(e, AT_RUN_TIME, False) and (
+        isinstance(e, (ValueError, NotImplementedError))
+        or "not supported" in text.lower()
     )
     row.update(status="rejected" if rejected else "error", error=text[-2000:])
     if not rejected:

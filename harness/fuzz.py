@@ -451,7 +451,7 @@ ROW_KEEP = (
     "drafts_per_step",
     "error",
     "drift_violations",
-    "drift_first",
+    "first_drift",
 )
 
 
@@ -510,7 +510,9 @@ def outcomes(lines: Iterable[dict]) -> dict[str, dict]:
         elif ev == "result":
             out[cid] = ln
         elif ev == "lost" and out.get(cid, {}).get("status") in (None, "killed"):
-            out[cid] = {**out[cid], "status": ln["status"], "error": ln.get("error")}
+            # a shrink run's file has no start lines: the lost line stands in
+            base = out.get(cid, {**ln, "event": "result"})
+            out[cid] = {**base, "status": ln["status"], "error": ln.get("error")}
     return out
 
 
@@ -779,6 +781,11 @@ def shrink(
     the same way (``kind``); stop when none does. The state (current,
     tried) goes to ``state`` after every call, and is resumed from there."""
     start = time.time()
+    if kind in LOST:
+        # a crash or hang loses every configuration of its child's group: a
+        # lost result in a batch does not say which neighbour crashed, so a
+        # lost kind is shrunk one neighbour per call
+        per_call = 1
     st = {
         "kind": kind,
         "current": cfg.to_json(),

@@ -105,9 +105,10 @@ class PositionDrift:
 def _topk_drift(cand: LP, ref: LP, k: int) -> tuple[float, bool, float]:
     """Largest proven drift over the union of both top-k sets, whether the
     sets differ, and the magnitude of the values behind that drift."""
-    top_c, top_r = _topk(cand, k), _topk(ref, k)
-    if any(_bad(v) for _, v in top_c + top_r):
+    # any NaN in either dict (a NaN need not sort into the top-k)
+    if any(_bad(v) for v in (*cand.values(), *ref.values())):
         return math.inf, True, 0.0
+    top_c, top_r = _topk(cand, k), _topk(ref, k)
     worst, mag = 0.0, 0.0
     if top_c and top_r:
         kth_c, kth_r = top_c[-1][1], top_r[-1][1]
@@ -182,9 +183,6 @@ class Floor:
             # same prefix, different tokens: the top-k still must agree
             top, changed, mag = _topk_drift(a[n], b[n], TOPK)
             self._add([PositionDrift(0.0, top, changed, 0.0, mag)])
-
-    def to_dict(self) -> dict:
-        return {"token": self.token, "topk": self.topk, "positions": self.positions}
 
 
 def _complete(a: Sequence, b: Sequence, tokens: Sequence) -> bool:

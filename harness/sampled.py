@@ -219,10 +219,11 @@ def target_dist(lps: Mapping[int, float], p: Preset) -> dict[int, float]:
     if p.top_p < 1.0:
         # ascending cumulative sum; drop while it stays <= 1 - p (vLLM)
         asc = sorted(probs, key=lambda kv: kv[1])
-        total = sum(x for _, x in probs)
-        cum, keep = 0.0, []
+        # raw logprobs without top-k: the mass outside the dict (the
+        # vocabulary's tail) comes first in the ascending sum
+        cum, keep = max(0.0, 1.0 - sum(x for _, x in probs)), []
         for t, x in asc:
-            cum += x / total
+            cum += x
             if cum > 1 - p.top_p:
                 keep.append((t, x))
         keep = keep or asc[-1:]
@@ -376,10 +377,6 @@ def bug_joint(
             q = bug_conditional(q, d, wrong_acceptance(lps, p, bug))
         conds[pre] = q
     return joint(conds, length)
-
-
-def kl(a: Mapping, b: Mapping) -> float:
-    return sum(x * math.log(x / b[o]) for o, x in a.items() if x > 0)
 
 
 def power(

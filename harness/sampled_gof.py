@@ -13,6 +13,7 @@ import json
 from .oracle import TOPK
 from .sampled import (
     BUGS,
+    POWER,
     SEED,
     Preset,
     bug_joint,
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
 
     Writes ``<out>/gof-<model>-<drafter>-<preset>.json``: the exact joint
     distribution's size, the planned sample count per bug, the G-test per
-    prefix length, the acceptance metrics. The preset must use top-k (the
+    prefix length, the acceptance metrics, ``powered`` (the samples reach
+    the planned power against every bug). The preset must use top-k (the
     exact distribution is computed from top-k logprobs). Planned counts
     assume the draft at each position is the target's argmax (what
     ``scripted:all_accept`` proposes on the greedy path)."""
@@ -178,13 +180,19 @@ def main(argv: list[str] | None = None) -> None:
         "accept": metrics,
     }
     result["ok"] = all(t["ok"] for t in result["tests"].values()) or not p.lossless
+    # a pass says little below the planned power (--samples, or a plan cut
+    # at --cap)
+    result["powered"] = min(result["power"].values()) >= POWER
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"gof-{a.model}-{a.drafter.replace(':', '-')}-{a.preset.replace(':', '-')}"
     (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(
         json.dumps(
-            {k: result[k] for k in ("model", "drafter", "preset", "samples", "ok")}
+            {
+                k: result[k]
+                for k in ("model", "drafter", "preset", "samples", "ok", "powered")
+            }
         )
     )
 

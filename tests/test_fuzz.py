@@ -699,6 +699,29 @@ def test_shrink_stops_when_the_failure_does_not_reproduce():
     assert st_["done"] and st_["reproduced"] is False and calls == [1]
 
 
+def test_shrink_of_a_crash_ends_on_a_config_that_crashes():
+    """A crashed child loses every configuration of its group (run_cells
+    reports at the end), so a batch's lost results do not say which
+    neighbour crashed: the shrinker must not step to one that did not."""
+
+    def crashes(c):
+        return c.k >= 8
+
+    calls: list[int] = []
+
+    def run(items):
+        calls.append(len(items))
+        lost = any(crashes(c) for _, c in items)
+        return [{"status": "crashed" if lost else "ok"} for _ in items]
+
+    c = FuzzConfig("qwen3_5", "ngram", 32, chunked=True, budget=24,
+                   n_prompts=16, graphs="full_and_piecewise")  # fmt: skip
+    st_ = fuzz.shrink(c, "crashed", run, per_call=4)
+    last = FuzzConfig.from_json(st_["current"])
+    assert st_["done"] and crashes(last) and last.k == 8
+    assert set(calls) == {1}
+
+
 ENGINE_CONFIG_CHECK = """
 import json, sys
 from vllm.engine.arg_utils import EngineArgs
@@ -803,3 +826,39 @@ def test_shrink_command_writes_the_regression(tmp_path, monkeypatch, capsys):
 
     assert regression_cells(regs) == [fuzz.to_cell(last)]
     assert '"regression"' in capsys.readouterr().out
+
+
+FAKE_CRASHING_CHILD = """
+import json, sys
+from pathlib import Path
+argv = sys.argv
+g = json.loads(Path(argv[argv.index("run-group") + 1]).read_text())
+out = argv[argv.index("--out") + 1]
+for i, c in g["items"]:
+    if c["k"] >= 8:
+        print("illegal memory access")
+        sys.exit(1)
+    with open(out, "a") as f:
+        f.write(json.dumps({"event": "result", "id": i, "config": c,
+                            "status": "ok"}) + "\\n")
+"""
+
+
+def test_shrink_command_shrinks_a_crash(tmp_path, monkeypatch):
+    """A crash found by a run (start line, then a lost line) shrinks end to
+    end: the shrink file holds lost lines without start lines, and the
+    minimal configuration is one that crashes."""
+    monkeypatch.setattr(sys, "executable", _fake_child(tmp_path, FAKE_CRASHING_CHILD))
+    c = FuzzConfig("qwen3_5", "ngram", 32, max_num_seqs=8, n_prompts=6,
+                   chunked=True, budget=48, graphs="full_and_piecewise")  # fmt: skip
+    run = tmp_path / "fork-s0.jsonl"
+    fuzz.append(run, {"event": "start", "id": "s0-3", "config": c.to_json()})
+    fuzz.append(run, {"event": "lost", "id": "s0-3", "config": c.to_json(),
+                      "status": "crashed", "error": "exit 1"})  # fmt: skip
+    regs = tmp_path / "regs"
+    fuzz.main(["shrink", str(run), "--id", "s0-3", "--deadline", "100000",
+               "--regressions", str(regs)])  # fmt: skip
+    (f,) = regs.glob("*.json")
+    d = json.loads(f.read_text())
+    assert d["failure"] == "crashed" and "illegal memory access" in d["error"]
+    assert FuzzConfig.from_json(d["config"]).k == 8

@@ -70,6 +70,9 @@ def test_position_drift_values_and_lower_bounds():
     assert (same.token, same.topk, same.set_changed) == (0.0, 0.0, False)
     nan = oracle.position_drift({1: float("nan"), 2: -1.0}, ref, 1, k=3)
     assert nan.token == math.inf
+    # a NaN that does not sort into the top-k is still one
+    late = {1: -0.1, 2: -2.0, 3: -3.0, 4: float("nan")}
+    assert oracle.position_drift(late, ref, 1, k=2).topk == math.inf
 
 
 def test_deep_tail_rounding_step_is_allowed_a_real_drift_is_not():
@@ -270,6 +273,33 @@ def test_run_cells_drift_without_flip_fails(monkeypatch, tmp_path):
 def test_run_cells_divergence_still_caught(monkeypatch, tmp_path):
     (row,) = _run(monkeypatch, tmp_path, noise=1e-3, flip=6)
     assert row["status"] == "diverged" and row["divergences"] > 0
+
+
+def test_run_time_value_error_is_an_error_not_a_refusal(monkeypatch, tmp_path):
+    """vLLM runs in-process, so a ValueError raised while a speculative
+    engine decodes reaches run_cells as such: the cell's error. Only one
+    raised while the engine is built is a refusal ("rejected")."""
+    from harness import equivalence as eq
+    from harness import models
+
+    class Broken(FakeLLM):
+        def generate(self, prompts, sp, use_tqdm=False):
+            if self.spec:
+                raise ValueError("index 9 is out of bounds for dimension 0")
+            return super().generate(prompts, sp, use_tqdm)
+
+    def engine(cell, d):
+        if cell.drafter == "mtp":
+            raise ValueError("MTP is not supported for this model")
+        return Broken(cell, noise=1e-3)
+
+    monkeypatch.setattr(eq, "_engine", engine)
+    monkeypatch.setattr(eq, "_shutdown", lambda llm: None)
+    monkeypatch.setattr(models, "write_model", lambda kind, out, seed=0: out)
+    cells = [eq.Cell("qwen3_5", "ngram", 5, 4, max_tokens=24),
+             eq.Cell("qwen3_5", "mtp", 3, 4, max_tokens=24)]  # fmt: skip
+    rows = eq.run_cells(cells, tmp_path, n_prompts=4, seed=0)
+    assert [r["status"] for r in rows] == ["error", "rejected"]
 
 
 def test_full_matrix_summary_names_worst_drift(tmp_path, monkeypatch):

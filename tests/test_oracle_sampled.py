@@ -28,8 +28,12 @@ def _lps(rng, vocab=48, scale=2.0):
     return x - math.log(np.exp(x).sum())
 
 
-@pytest.mark.parametrize(("t", "p", "k"), [(0.7, 1.0, 5), (0.8, 0.9, 5), (1.3, 0.5, 8)])
+@pytest.mark.parametrize(
+    ("t", "p", "k"), [(0.7, 1.0, 5), (0.8, 0.9, 5), (1.3, 0.5, 8), (1.0, 0.8, 0)]
+)
 def test_target_dist_matches_vllm_masking(t, p, k):
+    """k 0: no top-k at T=1, the dict holds the top 24 raw logprobs (the
+    vocabulary's tail is outside it)."""
     torch = pytest.importorskip("torch")
     ops = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
     rng = np.random.default_rng(0)
@@ -37,10 +41,12 @@ def test_target_dist_matches_vllm_masking(t, p, k):
         lp = _lps(rng)
         logits = torch.tensor(lp / t, dtype=torch.float32)[None]
         masked = ops.apply_top_k_top_p_pytorch(
-            logits.clone(), torch.tensor([k]), torch.tensor([p]) if p < 1 else None
+            logits.clone(),
+            torch.tensor([k]) if k else None,
+            torch.tensor([p]) if p < 1 else None,
         )
         want = torch.softmax(masked, -1)[0].numpy()
-        top = np.argsort(-lp)[:k]
+        top = np.argsort(-lp)[: k or 24]
         got = sampled.target_dist({int(i): float(lp[i]) for i in top}, Preset(t, p, k))
         dense = np.zeros_like(want)
         for tok, q in got.items():
@@ -288,7 +294,7 @@ def test_sampled_gof_main_with_a_fake_engine(monkeypatch, tmp_path, bug):
     r = json.loads(f.read_text())
     # the planned count fits the cap here, and reaches the planned power
     assert r["samples"] == max(r["planned"].values()) < int(cap)
-    assert min(r["power"].values()) >= sampled.POWER
+    assert min(r["power"].values()) >= sampled.POWER and r["powered"]
     assert set(r["tests"]) == {"1", "2", "3"}
     # the correct sampler passes; the buggy one fails (positions 2 and 3)
     assert r["ok"] is (bug is None), r["tests"]
