@@ -10,7 +10,13 @@ and only when no accelerator is present:
   platform;
 - ``torch.accelerator.empty_cache()`` raises on torch 2.13 without an
   accelerator (vLLM's test cleanup calls it): make it the no-op it is when
-  there is nothing to empty.
+  there is nothing to empty;
+- vLLM's CPU platform sets ``VLLM_SSM_CONV_STATE_LAYOUT=SD`` on a CPU with
+  AMX tiles (``CpuPlatform.check_and_update_config``), which the GPU
+  platforms it stands in for never do: tests of the conv-state layout then
+  passed or failed with the CPU model. The test bed reports no AMX, so the
+  layout follows the environment as on a GPU host (the CPU kernels that ask
+  for AMX need vLLM's CPU extension, which the test bed does not build).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ def _bridge() -> None:
             original()
 
     torch.accelerator.empty_cache = empty_cache
+    torch.cpu._is_amx_tile_supported = lambda: False
 
     # vLLM's platform: resolved through the test bed's platform plugin
     os.environ.setdefault("HSFORK_CPU_TESTBED", "1")
