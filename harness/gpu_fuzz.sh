@@ -79,4 +79,12 @@ for f in sorted(Path(sys.argv[1]).glob("*.jsonl")):
         print(f"   {x['id']} {x['kind'] or x['status']}: {what}")
         print(f"      {json.dumps(x['config'])}")
 EOF
-echo "report: $OUT/fuzz/FUZZ.md"
+# A lent GPU host returns at most 8 files of $OUT, and its next call empties
+# $OUT: the run files, report and logs travel as one archive (HS_PACK=0
+# keeps the files as they are).
+if [ "${HS_PACK:-1}" = 1 ]; then
+  tar -czf "$OUT/fuzz-$(date +%H%M%S).tgz" -C "$OUT" fuzz logs &&
+    rm -rf "$OUT/fuzz" "$OUT/logs" && echo "report: FUZZ.md in $OUT/fuzz-*.tgz"
+else
+  echo "report: $OUT/fuzz/FUZZ.md"
+fi

@@ -7,7 +7,8 @@
 #
 # Needs the bundle installed at /tmp/hybridspec (hsfork/install_bundle.sh).
 # The upstream tree is the fork's site with the patch series reversed.
-# Reports go to $OUT/equivalence, logs to $OUT/logs.
+# Reports go to $OUT/equivalence, logs to $OUT/logs, both packed at the end
+# into $OUT/equivalence-HHMMSS.tgz (HS_PACK=0: left as files).
 set -u
 R=$PWD
 VARIANTS=${1:-fork}
@@ -37,3 +38,10 @@ for f in "$OUT"/logs/*.log; do
   echo "== $f"; grep -E '^\{"(model|skipped)' "$f" | cut -c1-220
   grep -E "Traceback|Error" "$f" | tail -3
 done
+# A lent GPU host returns at most 8 files of $OUT, and its next call empties
+# $OUT: this call's reports and logs travel as one archive (HS_PACK=0 keeps
+# the files as they are).
+if [ "${HS_PACK:-1}" = 1 ]; then
+  tar -czf "$OUT/equivalence-$(date +%H%M%S).tgz" -C "$OUT" equivalence logs &&
+    rm -rf "$OUT/equivalence" "$OUT/logs"
+fi
