@@ -5,8 +5,9 @@
 #
 #   bash harness/gpu_full_matrix.sh N [DEADLINE_S]     # N = 1, 2 or 3
 #
-# Reports go to $OUT/equivalence, logs to $OUT/logs; after the three calls,
-# `python -m harness.full_matrix summarize DIR` over the reports of all three.
+# Reports and logs are packed into $OUT/equivalence-HHMMSS.tgz (gpu_matrix.sh);
+# after the three calls, `python -m harness.full_matrix summarize DIR` over the
+# reports of all three, unpacked into DIR.
 set -u
 N=${1:?run number 1, 2 or 3}
 DEADLINE=${2:-360}
