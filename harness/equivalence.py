@@ -181,8 +181,14 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
         kw["max_num_batched_tokens"] = 64 if cell.cache_mode == "none" else 160
         kw["enable_chunked_prefill"] = True
     if cell.preempt:
-        # 24 blocks hold a few requests of at most 512 tokens, not the batch
-        kw["num_gpu_blocks_override"] = 24
+        # the least pool the engine starts with (one request of 512 tokens,
+        # one recurrent-state block per sequence; harness.fuzz_pool finds it
+        # with vLLM's own admission check, so block sizes that differ by line
+        # are accounted for) plus 2 blocks: the batch cannot all fit, running
+        # requests are preempted (the report's vllm:num_preemptions)
+        from . import fuzz_pool
+
+        kw["num_gpu_blocks_override"] = fuzz_pool.POOL_BASE + 2
         kw["max_model_len"] = 512
     if cell.kv_cache_dtype != "auto":
         # TurboQuant presets pick their own attention backend
@@ -329,7 +335,9 @@ def _engine(cell: Cell, model_dir: str):
         turboquant_prefill()
     from . import fuzz_pool
 
-    if (cell.extra.get("num_gpu_blocks_override") or 0) >= fuzz_pool.POOL_BASE:
+    if cell.preempt or (
+        (cell.extra.get("num_gpu_blocks_override") or 0) >= fuzz_pool.POOL_BASE
+    ):
         fuzz_pool.install_pool_hook()  # the least pool that starts, plus slack
     return LLM(**engine_kwargs(cell, model_dir, spec_config(cell)))
 
@@ -390,9 +398,8 @@ def generate(cell: Cell, model_dir: str, waves, logprobs: int | None,
             # the runner the engine ran on (runner "default": vLLM's pick)
             metrics["model_runner"] = "mrv2" if config.use_v2_model_runner else "v1"
             for m in llm.get_metrics():
-                if ("spec_decode" in m.name or "prefix_cache" in m.name) and hasattr(
-                    m, "value"
-                ):
+                wanted = ("spec_decode", "prefix_cache", "num_preemptions")
+                if any(w in m.name for w in wanted) and hasattr(m, "value"):
                     metrics[m.name] = m.value
         except Exception:  # noqa: BLE001 - metrics are informative only
             pass
@@ -590,6 +597,8 @@ def run_cells(
             cands = [list(o.outputs[0].token_ids) for o in outs]
             cand_lps[id(row)] = oracle.output_lps(outs)
             row["accept"] = metrics or None
+            if cell.preempt:
+                row["preemptions"] = metrics.get("vllm:num_preemptions")
             if cell.kv_cache_dtype.startswith("turboquant_"):
                 row["turboquant_prefill"] = turboquant_prefill()
             if log is not None and log.exists():
@@ -670,6 +679,10 @@ def run_cells(
             row.update(d.judge(floor, dtype))
             if row["drift_violations"] and oracle.enforced():
                 row["status"] = "diverged"
+            if row.get("preempt") and row.get("preemptions") == 0:
+                # an invalid cell (not a refusal): it was to preempt
+                row.update(status="error", error="invalid cell: the engine "
+                           "never preempted (vllm:num_preemptions 0)")  # fmt: skip
     for row in rows:
         print(json.dumps({k: row.get(k) for k in ("model", "drafter", "k", "batch",
               "runner", "status", "tokens", "divergences", "ties", "tie_margin",

@@ -2,8 +2,8 @@
 
 ``RUNS`` splits the slices of :mod:`harness.equivalence` into three groups
 that each fit one 10-minute call (``harness/gpu_full_matrix.sh N`` runs group
-``N`` for the fork and upstream v0.26.0 side by side, one process per slice
-and variant):
+``N`` for the fork and unpatched upstream of the bundle's line side by side,
+one process per slice and variant):
 
 1. V1 runner, random-weight fixtures (Qwen3.5: GDN, NemotronH: Mamba2):
    every scripted schedule, n-gram k=5/64, BS 64 heterogeneous, align mode
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -111,15 +112,28 @@ def _text(x: tuple[dict, str] | None) -> str:
     return s
 
 
-def summarize(report_dir: Path, title: str) -> dict[str, Counter]:
+def base_of(got: dict[str, dict[tuple, tuple[dict, str]]]) -> str:
+    """The upstream release the reports ran on ("v0.33.0"), from the vLLM
+    version each cell records; "upstream" where none says."""
+    for v in VARIANTS:
+        for c, _ in got[v].values():
+            m = re.match(r"\d+\.\d+\.\d+", str(c.get("vllm") or ""))
+            if m:
+                return f"v{m[0]}"
+    return "upstream"
+
+
+def summarize(report_dir: Path, title: str | None = None) -> dict[str, Counter]:
     """Write FULL.md and full-<variant>.png into ``report_dir``; return the
     status counts per variant (``not run`` included)."""
     from .report import SIDE_KEY, heatmap
 
     got = collect(report_dir)
+    base = base_of(got)
+    title = title or f"Equivalence matrix, fork vs upstream {base}"
     counts = {v: Counter() for v in VARIANTS}
     lines = [
-        "| slice | " + " | ".join(SIDE_KEY) + " | fork | upstream v0.26.0 |",
+        "| slice | " + " | ".join(SIDE_KEY) + f" | fork | upstream {base} |",
         "|" + "---|" * (len(SIDE_KEY) + 3),
     ]
     seen = set()
@@ -163,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("run", type=int, choices=sorted(RUNS))
     p = sub.add_parser("summarize", help="write FULL.md and heatmaps")
     p.add_argument("dir")
-    p.add_argument("--title", default="Equivalence matrix, fork vs upstream v0.26.0")
+    p.add_argument("--title", default=None, help="default: names the base")
     a = ap.parse_args(argv)
     if a.cmd == "slices":
         print(" ".join(RUNS[a.run]))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One of the three calls of the whole equivalence matrix (harness/full_matrix.py
-# RUNS), fork and upstream v0.26.0 side by side, on a GPU host with the bundle
-# installed at /tmp/hybridspec:
+# RUNS), fork and unpatched upstream of the bundle's line side by side, on a GPU
+# host with the bundle installed at /tmp/hybridspec:
 #
 #   bash harness/gpu_full_matrix.sh N [DEADLINE_S]     # N = 1, 2 or 3
 #

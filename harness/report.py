@@ -13,6 +13,7 @@ log-probabilities off the teacher-forced reference beyond the noise floor).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -196,6 +197,16 @@ SIDE_KEY = ("model", "runner", "drafter", "k", "batch", "cache_mode", "graphs",
 _RANK = {"ok": 3, "diverged": 3, "error": 1, "rejected": 0}
 
 
+def _base(rows: dict[tuple, dict[str, tuple[dict, str]]]) -> str:
+    """The release the cells ran on ("v0.33.0"), from their ``vllm`` field."""
+    for v in rows.values():
+        for c, _ in v.values():
+            m = re.match(r"\d+\.\d+\.\d+", str(c.get("vllm") or ""))
+            if m:
+                return f"v{m[0]}"
+    return ""
+
+
 def side_by_side(files: Iterable[str | Path]) -> str:
     """Markdown table with one line per cell and one column per variant
     (``upstream`` if the file name says so, else ``fork``): a completed
@@ -224,7 +235,7 @@ def side_by_side(files: Iterable[str | Path]) -> str:
         return f"{s} <sub>{name}</sub>"
 
     lines = [
-        "| " + " | ".join(SIDE_KEY) + " | fork | upstream v0.26.0 |",
+        "| " + " | ".join(SIDE_KEY) + f" | fork | upstream {_base(rows)} |",
         "|" + "---|" * (len(SIDE_KEY) + 2),
     ]
     for key, v in rows.items():

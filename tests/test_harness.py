@@ -354,6 +354,44 @@ def test_v1_matrix_parts_cover_the_issue_dimensions():
     assert max(c.batch for c in cells) == 64
 
 
+def test_preempt_cells_take_the_least_pool_plus_two_blocks():
+    """A preemption cell's KV pool is the least one the engine starts with
+    (harness.fuzz_pool, vLLM's own admission check: block sizes differ by
+    line) plus 2 blocks, so that running requests are preempted; the cell
+    records vLLM's preemption counter, and one that never preempted is an
+    invalid cell (an error, not a refusal)."""
+    from harness import fuzz_pool
+    from harness.equivalence import engine_kwargs, slice_cells, spec_config
+
+    cells = [c for c in slice_cells("v1-matrix-q-preempt") if c.preempt]
+    assert cells
+    for c in cells:
+        kw = engine_kwargs(c, "/m", spec_config(c))
+        assert kw["num_gpu_blocks_override"] == fuzz_pool.POOL_BASE + 2
+        assert kw["max_model_len"] == 512
+    # the hook turns the request into least + one block per Mamba group and
+    # sequence + 2, with the least found by the admission check
+    calls = []
+
+    class Cfg:
+        class cache_config:  # noqa: N801
+            num_gpu_blocks_override = fuzz_pool.POOL_BASE + 2
+            block_size = 64
+
+        class scheduler_config:  # noqa: N801
+            max_num_seqs = 16
+
+    def orig(cfg, *a, **k):
+        n = cfg.cache_config.num_gpu_blocks_override
+        calls.append(n)
+        if n < 9:
+            raise ValueError("To serve at least one request with the model's ...")
+        return []
+
+    fuzz_pool.sized(orig, count_mamba=lambda _: 1)(Cfg)
+    assert Cfg.cache_config.num_gpu_blocks_override == 9 + 16 + 2
+
+
 def test_side_by_side_prefers_completed_results(tmp_path):
     from harness.report import side_by_side
 
