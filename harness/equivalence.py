@@ -47,6 +47,14 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 
+# A preemption cell's requests grow by this many tokens (prompts of 24-200
+# tokens, max_model_len 512): 16 of them outgrow the least pool the engine
+# starts with while they decode, so running requests are preempted (vLLM
+# admits a waiting request only where its prompt fits, so short requests in
+# a small pool just wait their turn)
+PREEMPT_TOKENS = 288
+
+
 @dataclass(frozen=True)
 class Cell:
     model: str  # fixture kind (harness.models.KINDS) or "fastapply"
@@ -1015,15 +1023,15 @@ def _v1_matrix(part: str) -> list[Cell]:
             Cell(m, "ngram", 5, 8, cache_mode="align"),
             Cell(m, "scripted:heterogeneous", 8, 16, chunked=True),
             Cell(m, "ngram", 64, 8, chunked=True),
-            Cell(m, "scripted:random", 4, 16, preempt=True),
+            Cell(m, "scripted:random", 4, 16, preempt=True, max_tokens=PREEMPT_TOKENS),
             Cell(m, "scripted:random", 4, 8, graphs=fp),
             Cell(m, "ngram", 5, 8, graphs=fp),
         ]
     if part in ("q-preempt", "n-preempt"):
         m = "qwen3_5" if part == "q-preempt" else "nemotron_h"
         return [
-            Cell(m, "scripted:random", 4, 16, preempt=True),
-            Cell(m, "ngram", 8, 16, preempt=True),
+            Cell(m, "scripted:random", 4, 16, preempt=True, max_tokens=PREEMPT_TOKENS),
+            Cell(m, "ngram", 8, 16, preempt=True, max_tokens=PREEMPT_TOKENS),
         ]
     if part == "n-drafters":
         # NemotronH's MTP head (harness.models: one attention layer)
@@ -1069,7 +1077,7 @@ def _mrv2_matrix(part: str) -> list[Cell]:
         # mixed draft counts next to short prefill chunks without align mode
         # (patch 0018; added after the 2026-11-21 run)
         Cell(m, "scripted:heterogeneous", 4, 16, r, chunked=True),
-        Cell(m, "scripted:random", 4, 16, r, preempt=True),
+        Cell(m, "scripted:random", 4, 16, r, preempt=True, max_tokens=PREEMPT_TOKENS),
         Cell(m, "mtp", 3, 8, r, async_sched=True),
         Cell(m, "mtp", 3, 8, r, "align", fp, async_sched=True),
     ]

@@ -203,8 +203,26 @@ def factor(floor_positions: int, cell_positions: int, alpha: float = ALPHA) -> f
     return max(1.0, math.log(m / alpha) / math.log(n))
 
 
+def step(floor_value: float) -> float:
+    """The rounding step at the floor's scale: the largest power of two not
+    above half the floor (a floor is the largest drift of many positions, so
+    it spans at least two such steps). 0 for a zero floor."""
+    if not (floor_value > 0 and math.isfinite(floor_value)):
+        return 0.0
+    return 2.0 ** math.floor(math.log2(floor_value / 2))
+
+
 def threshold(floor_value: float, dtype: str, c: float) -> float:
-    return c * max(floor_value, EPS[dtype])
+    """``c * max(floor, eps)``, rounded up to the next multiple of the
+    floor's rounding step (``step``). Drift is quantised where logits are
+    rounded to ``dtype`` before the log-softmax: a top-k entry of a fixture
+    whose logits are 16-32 in size moves in steps of 0.125, so a floor of
+    two steps (0.25) times a factor of 1.46 (0.365) would put the bar
+    between two steps and fail a correct cell for its third step (0.375);
+    the drift of a correct run can only take the step values."""
+    t = c * max(floor_value, EPS[dtype])
+    q = step(floor_value)
+    return math.ceil(t / q - 1e-9) * q if q else t
 
 
 def allowance(floor_value: float, dtype: str, magnitude: float) -> float:

@@ -95,6 +95,32 @@ def test_deep_tail_rounding_step_is_allowed_a_real_drift_is_not():
     assert judged({1: -1.01, 2: -5.0, 3: -40.0}) == 1
 
 
+def test_threshold_rounds_up_to_the_floors_rounding_step():
+    # A fixture whose logits are 16-32 in size: top-k entries move in steps
+    # of 0.125 at any depth (a drift of -5.0 vs -5.375 is three steps, not a
+    # deep-tail value the magnitude allowance would cover). A floor of two
+    # steps and a factor of 1.46 (0.365) must not fail a third step, which
+    # is all a correct run's drift can reach next; a fourth step fails.
+    assert oracle.step(0.25) == 0.125
+    assert oracle.step(0.116974) == 0.03125
+    assert oracle.step(0.0) == 0.0
+    assert oracle.threshold(0.25, "bfloat16", 1.46) == pytest.approx(0.375)
+    floor = oracle.Floor()
+    floor.token, floor.topk, floor.positions = 0.0, 0.25, 39921
+    ref = {1: -0.01, 2: -5.0, 3: -7.0}
+
+    def judged(cand, m):
+        cell = oracle.CellDrift()
+        for p in range(m):
+            cell.add(p, [cand if p == 0 else ref], [ref], [1])
+        return cell.judge(floor, "bfloat16")
+
+    j = judged({1: -0.01, 2: -5.375, 3: -7.0}, 5307)
+    assert 1.4 < j["drift_factor"] < 1.5
+    assert j["drift_violations"] == 0
+    assert judged({1: -0.01, 2: -5.5, 3: -7.0}, 5307)["drift_violations"] == 1
+
+
 def test_factor_follows_sample_sizes():
     # more floor positions: a smaller factor; more cell positions: larger
     assert oracle.factor(10_000, 1000) < oracle.factor(100, 1000)
