@@ -299,6 +299,34 @@ class CellDrift:
         }
 
 
+def rejudge(row: dict) -> dict:
+    """A reported cell judged again under today's ``threshold`` from the
+    floor and factor it recorded, where that settles it: a cell whose worst
+    token and top-k drifts are both within the new thresholds has no
+    position over them (the bar only moved up). Marks such a row
+    ``drift_rejudged``; a diverged cell with no argmax flip then reads ok.
+    Other rows are returned as they are. For reports written before a
+    change of ``threshold``, so that one summary applies one rule."""
+    need = ("drift_floor", "drift_topk_floor", "drift_factor", "drift_max",
+            "drift_topk_max")  # fmt: skip
+    if not row.get("drift_violations") or not all(
+        isinstance(row.get(k), (int, float)) for k in need
+    ):
+        return row
+    dtype = row.get("dtype") or "bfloat16"
+    c = row["drift_factor"]
+    thr_tok = threshold(row["drift_floor"], dtype, c)
+    thr_top = threshold(row["drift_topk_floor"], dtype, c)
+    if row["drift_max"] > thr_tok or row["drift_topk_max"] > thr_top:
+        return row
+    out = {**row, "drift_threshold": _r(thr_tok),
+           "drift_topk_threshold": _r(thr_top), "drift_violations": 0,
+           "first_drift": None, "drift_rejudged": True}  # fmt: skip
+    if out.get("status") == "diverged" and not out.get("divergences"):
+        out["status"] = "ok"
+    return out
+
+
 def _r(x: float) -> float | str:
     return round(x, 6) if math.isfinite(x) else "inf"
 

@@ -54,6 +54,9 @@ class Pin:
     line: str = ""
     # the torch the upstream wheel declares
     torch: str = ""
+    # the torchvision it declares (built against that torch: a host's
+    # torchvision for another torch fails to import under it)
+    torchvision: str = ""
     # what the CPU test bed installs (hsfork/testbed.py)
     testbed: dict[str, str] = field(default_factory=dict)
 
@@ -119,6 +122,7 @@ def load_pin(path: Path | None = None, line: str | None = None) -> Pin:
         files=files,
         line=line,
         torch=pkg.get("torch", ""),
+        torchvision=pkg.get("torchvision", ""),
         testbed=testbed,
     )
 

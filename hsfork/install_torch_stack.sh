@@ -191,7 +191,11 @@ if [ -n "$CHECK" ]; then
   TARGET=$(cd "$TARGET" && pwd)
   # shellcheck disable=SC1091
   source "$TARGET/env.sh"
-  (cd / && "$PY" - "$TARGET" <<'EOF'
+  # triton's @jit reads its function's source: the check runs from a file
+  # (from stdin it fails with "@jit functions should be defined in a Python
+  # file")
+  CHECK_PY=$(mktemp --suffix=.py)
+  cat > "$CHECK_PY" <<'EOF'
 import json, os, sys
 target = sys.argv[1]
 m = json.load(open(os.path.join(target, "manifest.json")))
@@ -270,5 +274,8 @@ for lib in ("libcudnn.so", "libnccl.so", "libcublas.so"):
 assert not bad, bad
 print("[check] ok: torch", torch.__version__, "triton", triton.__version__)
 EOF
-  )
+  status=0
+  (cd / && "$PY" "$CHECK_PY" "$TARGET") || status=$?
+  rm -f "$CHECK_PY"
+  exit "$status"
 fi

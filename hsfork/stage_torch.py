@@ -10,14 +10,16 @@ and split into parts that each fit one upload beside the working tree, with
 ``manifest.json``, ``install.sh`` and one ``upload-N/`` folder per part (the
 conventions of ``bundle.py``).
 
-Which wheels travel (``select``): torch's ``Requires-Dist``, walked through
+Which wheels travel (``select``): torch's ``Requires-Dist`` (and the
+torchvision the line pins, ``upstream.toml``), walked through
 the ``cuda-toolkit[...]`` meta package into its components and through the
 carried wheels' own requirements, each decided against the host's version
 (``HOST_STACK_VERSIONS``: torch 2.11.0's exact pins, as its metadata and
 cuda-toolkit 13.0.2's extras state them; the image list records names only):
 
-- torch and triton always travel when the host's version does not meet the
-  requirement (they are what is staged);
+- torch, triton and torchvision always travel when the host's version does
+  not meet the requirement (they are what is staged; torchvision's compiled
+  ops are built against one torch);
 - a host version that meets the requirement serves;
 - cuDNN: torch's own check (``torch/backends/cudnn``) accepts a runtime of
   the same major and a minor no older than the one torch was built with, so
@@ -95,6 +97,7 @@ INSTALL_SH = Path(__file__).with_name("install_torch_stack.sh")
 HOST_TORCH = "2.11.0"
 HOST_STACK_VERSIONS = {
     "torch": "2.11.0",
+    "torchvision": "0.26.0",
     "triton": "3.6.0",
     "cuda-toolkit": "13.0.2",
     "nvidia-cublas": "13.1.0.3",
@@ -114,7 +117,11 @@ HOST_STACK_VERSIONS = {
     "nvidia-nvshmem-cu13": "3.4.5",
 }
 # staged whenever the host's version does not meet the requirement
-STACK = ("torch", "triton")
+# (torchvision: its C++ ops are built against one torch; the host's
+# torchvision 0.26.0 fails to import under torch 2.14, "operator
+# torchvision::nms does not exist", and transformers imports it to build a
+# Qwen3.5 model)
+STACK = ("torch", "triton", "torchvision")
 # metadata-only packages: their components are decided one by one
 META = ("cuda-toolkit",)
 CUDNN = "nvidia-cudnn-cu13"
@@ -256,6 +263,7 @@ def select(
     specs: dict[str, SpecifierSet] = {}
     decisions: dict[str, Decision] = {}
     walked: set[str] = set()
+    versions: dict[str, str] = {}  # walked key -> the version metadata gave
     todo = list(requirements)
     while todo:
         line = todo.pop(0)
@@ -273,9 +281,14 @@ def select(
             continue
         key = f"{name}{specs[name]}[{','.join(sorted(req.extras))}]"
         if key in walked:
+            # reached again (torchvision requires the torch asked for): the
+            # same spec, the version its download takes
+            if d.carry:
+                d.version = versions.get(key, "")
             continue
         walked.add(key)
         version, requires = metadata(f"{name}{specs[name]}")
+        versions[key] = version
         if d.carry:
             d.version = version
         for dep in requires:
@@ -547,9 +560,10 @@ def make_torch_bundle(
     out_dir = Path(out) if out else build_dir(pin) / "torch-bundle"
     size = resolve_part_size(part_size)
     worktree = worktree_size()
-    decisions = select(
-        [f"torch=={pin.torch}"], host_stack_versions(), pip_metadata, use_host
-    )
+    wanted = [f"torch=={pin.torch}"]
+    if pin.torchvision:
+        wanted.append(f"torchvision=={pin.torchvision}")
+    decisions = select(wanted, host_stack_versions(), pip_metadata, use_host)
     for d in decisions:
         verdict = "carry" if d.carry else "host "
         info(f"{verdict} {d.name}{d.required or ''}: {d.reason}")

@@ -121,6 +121,26 @@ def test_threshold_rounds_up_to_the_floors_rounding_step():
     assert judged({1: -0.01, 2: -5.5, 3: -7.0}, 5307)["drift_violations"] == 1
 
 
+def test_rejudge_settles_reports_written_under_the_older_threshold():
+    # a fast-apply cell reported under the older rule: one third step over
+    # a floor of two, no argmax flip; the step rule reads it ok. A drift
+    # beyond the new bar, or a cell with a flip, is left as it was.
+    row = {"status": "diverged", "divergences": 0, "dtype": "bfloat16",
+           "drift_floor": 0.0001, "drift_topk_floor": 0.249997,
+           "drift_factor": 1.462, "drift_max": 2e-06,
+           "drift_topk_max": 0.374998, "drift_violations": 1,
+           "first_drift": {"prompt": 37}}  # fmt: skip
+    r = oracle.rejudge(row)
+    assert r["status"] == "ok" and r["drift_violations"] == 0
+    assert r["drift_rejudged"] and r["drift_topk_threshold"] == 0.375
+    assert row["status"] == "diverged"  # the input is not changed
+    assert oracle.rejudge({**row, "drift_topk_max": 0.5})["status"] == "diverged"
+    flip = oracle.rejudge({**row, "divergences": 2})
+    assert flip["status"] == "diverged" and flip["drift_violations"] == 0
+    ok = {"status": "ok", "drift_violations": 0}
+    assert oracle.rejudge(ok) is ok
+
+
 def test_factor_follows_sample_sizes():
     # more floor positions: a smaller factor; more cell positions: larger
     assert oracle.factor(10_000, 1000) < oracle.factor(100, 1000)

@@ -61,6 +61,7 @@ METADATA = {
     "triton": ("3.8.0", ['importlib-metadata; python_version < "3.10"']),
     "nvidia-cudnn-cu13": ("9.24.0.43", ["nvidia-cublas"]),
     "nvidia-nccl-cu13": ("2.30.7", []),
+    "torchvision": ("0.29.0", ["numpy", "torch==2.14.0", "pillow!=8.3.*,>=5.3.0"]),
 }
 
 
@@ -97,6 +98,28 @@ def test_select_carries_only_what_the_host_lacks():
     # extras not asked for, and markers that do not hold, are not walked into
     for name in ("nvidia-npp", "nvidia-cuda-nvcc", "optree", "importlib-metadata"):
         assert name not in decisions
+
+
+def test_the_lines_torchvision_travels_with_its_torch():
+    """The host's torchvision 0.26.0 (built for torch 2.11) fails to import
+    under torch 2.14 ("operator torchvision::nms does not exist"), and
+    transformers imports it: the torchvision the line pins travels."""
+    from hsfork.common import load_pin
+
+    pin = load_pin(line="current")
+    assert pin.torchvision == "0.29.0"
+    decisions = {
+        d.name: d
+        for d in select(
+            [f"torch=={pin.torch}", f"torchvision=={pin.torchvision}"],
+            host_stack_versions(),
+            _metadata,
+        )
+    }
+    tv = decisions["torchvision"]
+    assert tv.carry and tv.version == "0.29.0" and tv.host == "0.26.0"
+    # its own requirements are walked: the pinned torch, nothing new
+    assert decisions["torch"].carry and decisions["torch"].version == "2.14.0"
 
 
 def test_use_host_keeps_a_library_home_but_never_torch():
@@ -388,6 +411,12 @@ def test_host_script_python_compiles():
     for block in blocks:
         compile(block, "install_torch_stack.sh", "exec")
     assert "torch.cuda.is_available()" in text and "@triton.jit" in text
+    # triton's @jit reads its function's source: the GPU check runs from a
+    # file, not from stdin
+    check = next(b for b in blocks if "@triton.jit" in b)
+    head = text[: text.index(check)]
+    assert head.rstrip().endswith("cat > \"$CHECK_PY\" <<'EOF'"), head[-200:]
+    assert '"$PY" "$CHECK_PY" "$TARGET"' in text
 
 
 def test_parts_of_an_earlier_build_are_not_taken(staged, tmp_path):
