@@ -137,6 +137,17 @@ def _rel(path: Path, base: Path) -> str:
     return Path(os.path.relpath(path.resolve(), base.resolve())).as_posix()
 
 
+def _unstarted(got: dict) -> str:
+    """", or one of the N cells ..." where the matrix's calls left fork cells
+    unstarted (a call's deadline), else ""."""
+    from .full_matrix import _key, expected_cells
+
+    keys = {_key(c) for _, c in expected_cells()}
+    n = len(keys - set(got["fork"]))
+    return (f", or one of the {n} cells a call's deadline left unstarted"
+            if n else "")  # fmt: skip
+
+
 def table(report_dir: Path, line: str | None = None, base: Path | None = None) -> str:
     """The support table of the reports in ``report_dir`` (markdown, ending
     in a newline); links are relative to ``base`` (default: the repo)."""
@@ -225,7 +236,7 @@ def table(report_dir: Path, line: str | None = None, base: Path | None = None) -
         + ") and mamba cache mode ("
         + " / ".join(modes)
         + "); refused = rejected at config time; not run = no such cell in the "
-        "matrix."
+        "matrix" + _unstarted(got) + "."
     )
     head = "| target | " + " | ".join(DRAFTERS.get(d, d) for d in drafters) + " |"
     out = [caption, "", head, "|" + "---|" * (len(drafters) + 1), *rows, ""]
