@@ -1,6 +1,6 @@
 """The whole equivalence matrix in three GPU calls, and its one summary.
 
-``RUNS`` splits the slices of :mod:`harness.equivalence` into three groups
+``RUNS`` splits the slices of :mod:`harness.equivalence` into four groups
 that each fit one 10-minute call (``harness/gpu_full_matrix.sh N`` runs group
 ``N`` for the fork and unpatched upstream of the bundle's line side by side,
 one process per slice and variant):
@@ -12,12 +12,17 @@ one process per slice and variant):
    graphs, align), the trained fast-apply fixture (n-gram k=64, MTP),
    TurboQuant KV cache, and Qwen3-Next / Granite-4.0-H / Kimi-Linear;
 3. Model Runner V2: the fast-apply fixture, TurboQuant, and both
-   random-weight fixtures through their MTP heads (scripted and MTP); the
-   draft_model method (an attention-only draft model, and a hybrid one that
-   the fork refuses) and EAGLE-3 heads on both runners.
+   random-weight fixtures through their MTP heads (scripted and MTP);
+4. the draft_model method (an attention-only draft model, and a hybrid one
+   that the fork refuses) and EAGLE-3 heads on both runners.
+
+Model Runner V2's cells were one call until v0.33.0's first whole matrix: on
+a cold host its 12 processes spent 200-320 s on their first cell each
+(compilation and start-up at once), and the call's deadline left 41 of its
+63 fork cells unstarted.
 
 ``python -m harness.full_matrix summarize DIR`` reads every report of the
-three calls in ``DIR`` and writes ``FULL.md`` (one line per cell, fork and
+four calls in ``DIR`` and writes ``FULL.md`` (one line per cell, fork and
 upstream side by side; a cell a call's deadline left unstarted is listed as
 ``not run``) and a heatmap per variant.
 """
@@ -54,6 +59,8 @@ RUNS: dict[int, tuple[str, ...]] = {
         "tq-mrv2",
         "mrv2-matrix-q",
         "mrv2-matrix-n",
+    ),
+    4: (
         "draft-model-probe",
         "eagle3-probe",
     ),

@@ -138,7 +138,7 @@ def _rel(path: Path, base: Path) -> str:
 
 
 def _unstarted(got: dict) -> str:
-    """", or one of the N cells ..." where the matrix's calls left fork cells
+    """ ", or one of the N cells ..." where the matrix's calls left fork cells
     unstarted (a call's deadline), else ""."""
     from .full_matrix import _key, expected_cells
 
