@@ -829,8 +829,9 @@ def slice_cells(name: str) -> list[Cell]:
         return regression_cells()
     if name == "v1-more-models":
         # the other generated fixtures on V1 (bf16): Qwen3-Next (GDN, MoE,
-        # MTP), Granite-4.0-H (Mamba2), Kimi-Linear (KDA: the fork refuses
-        # speculative decoding for it, v0.26.0 runs it without a spec path)
+        # MTP), Granite-4.0-H (Mamba2), Kimi-Linear (KDA: unpatched v0.26.0
+        # runs it without a spec path; the fork verifies drafts in its KDA
+        # layers since patch 0024, refused them before)
         cells = []
         for m in ("qwen3_next", "granitemoehybrid", "kimi_linear"):
             cells += [
@@ -867,7 +868,7 @@ def slice_cells(name: str) -> list[Cell]:
 # Whether each of the other hybrid families (harness.models.FAMILY_KINDS) has
 # a speculative decoding path in vLLM's source, per line; a string says why
 # not. Neither line refuses a speculative config for any of them at config
-# time (the fork refuses it for Kimi-Linear only), so an unsupported family's
+# time, so an unsupported family's
 # cells are expected to diverge or fail: they record that it should be
 # refused (docs/harness.md, "Hybrid families").
 _MAMBA1 = (

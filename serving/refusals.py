@@ -147,15 +147,6 @@ CASES: list[Case] = [
         "cannot shift a DS conv state by the accepted draft tokens",
         env={"VLLM_SSM_CONV_STATE_LAYOUT": "DS"},
     ),
-    Case(
-        "kimi-linear-spec",
-        ("v0.26.0",),
-        "fork 0012",
-        "kimi_linear",
-        {"enable_prefix_caching": False, "speculative_config": NGRAM},
-        r"without a speculative config",
-        "Kimi-Linear + any spec: its KDA layers have no speculative path in v0.26.0",
-    ),
     # -- vLLM's own refusals that hybrid users meet ------------------------
     Case(
         "async-ngram-v1",

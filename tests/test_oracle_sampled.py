@@ -192,8 +192,8 @@ def test_sampled_cells_cover_every_speculating_family():
 
     cells = [eq.Cell(**kw) for kw in sampled.cells()]
     fams = {c.model for c in cells}
-    # Kimi-Linear has no spec path in the fork; the other hybrid families
-    # have their own slice (families)
+    # Kimi-Linear is left out (its KDA spec path has not run on a GPU); the
+    # other hybrid families have their own slice (families)
     matrix = set(FIXTURES) - set(FAMILY_KINDS) - {"kimi_linear"}
     assert fams == matrix | {eq.FASTAPPLY}
     methods = {sampled.preset(c.sampling).method for c in cells}

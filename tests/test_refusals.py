@@ -23,11 +23,13 @@ def test_cases_are_well_formed():
         for line in c.lines:
             assert (line, c.id) not in seen, c.id
             seen.add((line, c.id))
-    # the fork's refusals of each line are all in the table
+    # the fork's refusals of each line are all in the table (v0.26.0: patches
+    # 0009, 0010, 0011, 0013, 0020; 0012's refusal of Kimi-Linear was lifted
+    # by 0024, which gives its KDA layers a spec path)
     ours = {
         (line, c.id) for c in CASES if c.source.startswith("fork") for line in c.lines
     }
-    assert len([k for k in ours if k[0] == "v0.26.0"]) == 6
+    assert len([k for k in ours if k[0] == "v0.26.0"]) == 5
     assert len([k for k in ours if k[0] == "v0.33.0"]) == 2
 
 
