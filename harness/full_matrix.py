@@ -1,4 +1,4 @@
-"""The whole equivalence matrix in three GPU calls, and its one summary.
+"""The whole equivalence matrix in four GPU calls, and its one summary.
 
 ``RUNS`` splits the slices of :mod:`harness.equivalence` into four groups
 that each fit one 10-minute call (``harness/gpu_full_matrix.sh N`` runs group
