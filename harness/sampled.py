@@ -141,8 +141,9 @@ SAMPLED_PARTS = {
 def cells(part: str = "all") -> list[dict]:
     """Sampled cells (slice ``sampled-<part>``: q, n, fa, more, or all) for
     every family of the matrix that speculates (Kimi-Linear is left out:
-    its KDA spec path has not run on a GPU on either line): n-gram at T=1 and with top-p/top-k, scripted drafts (mixed draft
-    counts; synthetic acceptance), MTP with standard, probabilistic-draft,
+    its KDA spec path has not run on a GPU on either line): n-gram at T=1
+    and with top-p/top-k, scripted drafts (mixed draft counts; synthetic
+    acceptance), MTP with standard, probabilistic-draft,
     block, synthetic and FLy acceptance (V1 and MRV2; FLy exists in v0.33.0
     only, v0.26.0 rejects it at config time and records ``rejected``).
     Returns ``harness.equivalence.Cell`` keyword arguments (this module
