@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from collections import Counter
 from pathlib import Path
 
@@ -122,24 +121,14 @@ def _text(x: tuple[dict, str] | None) -> str:
     return s
 
 
-def base_of(got: dict[str, dict[tuple, tuple[dict, str]]]) -> str:
-    """The upstream release the reports ran on ("v0.33.0"), from the vLLM
-    version each cell records; "upstream" where none says."""
-    for v in VARIANTS:
-        for c, _ in got[v].values():
-            m = re.match(r"\d+\.\d+\.\d+", str(c.get("vllm") or ""))
-            if m:
-                return f"v{m[0]}"
-    return "upstream"
-
-
 def summarize(report_dir: Path, title: str | None = None) -> dict[str, Counter]:
     """Write FULL.md and full-<variant>.png into ``report_dir``; return the
     status counts per variant (``not run`` included)."""
-    from .report import SIDE_KEY, heatmap
+    from .report import SIDE_KEY, base_release, heatmap
 
     got = collect(report_dir)
-    base = base_of(got)
+    cells = (c for v in VARIANTS for c, _ in got[v].values())
+    base = base_release(cells) or "upstream"
     title = title or f"Equivalence matrix, fork vs upstream {base}"
     counts = {v: Counter() for v in VARIANTS}
     lines = [

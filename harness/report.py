@@ -197,13 +197,13 @@ SIDE_KEY = ("model", "runner", "drafter", "k", "batch", "cache_mode", "graphs",
 _RANK = {"ok": 3, "diverged": 3, "error": 1, "rejected": 0}
 
 
-def _base(rows: dict[tuple, dict[str, tuple[dict, str]]]) -> str:
-    """The release the cells ran on ("v0.33.0"), from their ``vllm`` field."""
-    for v in rows.values():
-        for c, _ in v.values():
-            m = re.match(r"\d+\.\d+\.\d+", str(c.get("vllm") or ""))
-            if m:
-                return f"v{m[0]}"
+def base_release(cells: Iterable[dict]) -> str:
+    """The release the cells ran on ("v0.33.0"), from the first ``vllm``
+    version a cell records; "" where none does."""
+    for c in cells:
+        m = re.match(r"\d+\.\d+\.\d+", str(c.get("vllm") or ""))
+        if m:
+            return f"v{m[0]}"
     return ""
 
 
@@ -234,8 +234,9 @@ def side_by_side(files: Iterable[str | Path]) -> str:
                     f"<sub>{name}</sub>")  # fmt: skip
         return f"{s} <sub>{name}</sub>"
 
+    base = base_release(c for v in rows.values() for c, _ in v.values())
     lines = [
-        "| " + " | ".join(SIDE_KEY) + f" | fork | upstream {_base(rows)} |",
+        "| " + " | ".join(SIDE_KEY) + f" | fork | upstream {base} |",
         "|" + "---|" * (len(SIDE_KEY) + 2),
     ]
     for key, v in rows.items():

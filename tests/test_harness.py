@@ -400,11 +400,13 @@ def test_side_by_side_prefers_completed_results(tmp_path):
             "tokens": 10, "divergences": 0, "ties": 0}  # fmt: skip
     (tmp_path / "a-fork.json").write_text(json.dumps([{**base, "status": "error"}]))
     (tmp_path / "b-fork.json").write_text(json.dumps([{**base, "status": "ok"}]))
-    bad = {**base, "status": "diverged", "divergences": 3}
+    # the upstream column names the release the cells recorded
+    bad = {**base, "status": "diverged", "divergences": 3, "vllm": "0.33.0"}
     (tmp_path / "a-upstream.json").write_text(json.dumps([bad]))
     table = side_by_side(sorted(tmp_path.glob("*.json")))
     lines = table.splitlines()
     assert len(lines) == 3
+    assert lines[0].endswith("| fork | upstream v0.33.0 |")
     assert "ok: 0 div, 0 ties / 10 tok <sub>b-fork.json</sub>" in lines[2]
     assert "**diverged**: 3 div" in lines[2] and "a-upstream.json" in lines[2]
 

@@ -243,11 +243,25 @@ class FakeLLM:
 
     engines = 0
 
-    def __init__(self, cell, noise, bump=None, flip=None):
+    def __init__(self, cell, noise, bump=None, flip=None, preemptions=None):
         FakeLLM.engines += 1
         self.rng = np.random.default_rng(1000 + FakeLLM.engines)
         self.spec = cell.drafter != "none"
         self.noise, self.bump, self.flip = noise, bump, flip
+        # what the engine reports as vllm:num_preemptions (None: no metric)
+        self.preemptions = preemptions
+        self.llm_engine = SimpleNamespace(
+            vllm_config=SimpleNamespace(
+                cache_config=SimpleNamespace(block_size=16),
+                scheduler_config=SimpleNamespace(async_scheduling=False),
+                use_v2_model_runner=False,
+            )
+        )
+
+    def get_metrics(self):
+        if self.preemptions is None:
+            return []
+        return [SimpleNamespace(name="vllm:num_preemptions", value=self.preemptions)]
 
     def logprobs(self, seq, gen_pos):
         g = np.random.default_rng(
@@ -286,15 +300,28 @@ class FakeLLM:
         return outs
 
 
-def _run(monkeypatch, tmp_path, **fake):
+def _run(monkeypatch, tmp_path, preempt=False, **fake):
     from harness import equivalence as eq
     from harness import models
 
     monkeypatch.setattr(eq, "_engine", lambda cell, d: FakeLLM(cell, **fake))
     monkeypatch.setattr(eq, "_shutdown", lambda llm: None)
     monkeypatch.setattr(models, "write_model", lambda kind, out, seed=0: out)
-    cells = [eq.Cell("qwen3_5", "ngram", 5, 4, max_tokens=24)]
+    cells = [eq.Cell("qwen3_5", "ngram", 5, 4, max_tokens=24, preempt=preempt)]
     return eq.run_cells(cells, tmp_path, n_prompts=4, seed=0)
+
+
+def test_a_preemption_cell_that_never_preempted_is_invalid(monkeypatch, tmp_path):
+    """A preemption cell is judged only where the engine preempted: with
+    vllm:num_preemptions 0 it is an error (an invalid cell), not ok."""
+    (row,) = _run(monkeypatch, tmp_path, preempt=True, noise=1e-3, preemptions=0)
+    assert row["status"] == "error" and "never preempted" in row["error"]
+    assert row["preemptions"] == 0 and row["divergences"] == 0
+    (row,) = _run(monkeypatch, tmp_path, preempt=True, noise=1e-3, preemptions=3)
+    assert row["status"] == "ok" and row["preemptions"] == 3
+    # a cell that is not a preemption cell does not look at the counter
+    (row,) = _run(monkeypatch, tmp_path, noise=1e-3, preemptions=0)
+    assert row["status"] == "ok" and "preemptions" not in row
 
 
 def test_run_cells_clean_cell_passes(monkeypatch, tmp_path):
