@@ -1204,6 +1204,14 @@ def dry_run(cells: list[Cell], workdir: str = "<workdir>") -> list[dict]:
     return out
 
 
+def shard(cells: list, spec: str) -> list:
+    """Cells I, I+S, I+2S, ... of ``cells`` for ``spec`` "I/S" (1-based)."""
+    i, _, s = spec.partition("/")
+    if not (i.isdigit() and s.isdigit() and 1 <= int(i) <= int(s)):
+        raise SystemExit(f"--shard {spec!r}: give I/S with 1 <= I <= S")
+    return cells[int(i) - 1 :: int(s)]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description="Run a slice of the equivalence matrix (one engine per "
@@ -1215,6 +1223,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default=None, help="substring filter on cells")
+    ap.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/S",
+        help="run only the slice's cells I, I+S, I+2S, ... (1-based): one of S "
+        "processes that share a slice",
+    )
     ap.add_argument(
         "--deadline",
         type=float,
@@ -1231,6 +1246,8 @@ def main(argv: list[str] | None = None) -> None:
     cells = slice_cells(a.slice)
     if a.only:
         cells = [c for c in cells if a.only in json.dumps(c.key())]
+    if a.shard:
+        cells = shard(cells, a.shard)
     version = {"vllm": compat.version_str(), "from": compat.version_source()}
     if a.dry_run:
         print(json.dumps({"slice": a.slice, "cells": len(cells), **version}))

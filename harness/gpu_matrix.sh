@@ -5,6 +5,9 @@
 #   bash harness/gpu_matrix.sh VARIANTS SLICES DEADLINE_S
 #   e.g. bash harness/gpu_matrix.sh "fork upstream" "v1-matrix-q-state v1-matrix-n-state" 400
 #
+# A slice written SLICE:S has its cells dealt into S processes (reports
+# SLICE-VARIANT-I-of-S.json; harness.full_matrix summarize merges them).
+#
 # Needs the bundle installed at /tmp/hybridspec (hsfork/install_bundle.sh).
 # The upstream tree is the fork's site with the patch series reversed.
 # Reports go to $OUT/equivalence, logs to $OUT/logs, both packed at the end
@@ -24,13 +27,20 @@ pids=()
 for v in $VARIANTS; do
   PYTHONPATH=$(site_pythonpath "$v") python3 -c \
     "import vllm; print('$v', vllm.__file__)"
-  for s in $SLICES; do
-    PYTHONPATH=$(site_pythonpath "$v") \
-      timeout $((DEADLINE + 170)) python3 -m harness.equivalence --slice "$s" \
-      --run "$s-${v//+/-with-}" --out "$OUT/equivalence" --deadline "$DEADLINE" \
-      > "$OUT/logs/$s-${v//+/-with-}.log" 2>&1 &
-    pids+=($!)
-    sleep 2
+  for entry in $SLICES; do
+    # SLICE or SLICE:S (its cells dealt into S processes)
+    s=${entry%%:*} n=1
+    [[ $entry == *:* ]] && n=${entry#*:}
+    for ((i = 1; i <= n; i++)); do
+      run="$s-${v//+/-with-}" shard=()
+      ((n > 1)) && run="$run-$i-of-$n" shard=(--shard "$i/$n")
+      PYTHONPATH=$(site_pythonpath "$v") \
+        timeout $((DEADLINE + 170)) python3 -m harness.equivalence --slice "$s" \
+        "${shard[@]}" --run "$run" --out "$OUT/equivalence" --deadline "$DEADLINE" \
+        > "$OUT/logs/$run.log" 2>&1 &
+      pids+=($!)
+      sleep 2
+    done
   done
 done
 for p in "${pids[@]}"; do wait "$p"; done

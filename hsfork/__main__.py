@@ -75,6 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="download folder (default .cache/torch-stack/<tag>)",
     )
+    p = sub.add_parser(
+        "resplit",
+        help="cut a built bundle or torch stack into parts that fit one upload "
+        "beside today's working tree (no packing again)",
+    )
+    p.add_argument("dir", help="the bundle folder (with manifest.json)")
+    p.add_argument("--part-size", default="auto", help="largest part; auto: as bundle")
     sub.add_parser("testbed", help="create or update the line's CPU test bed venv")
     p = sub.add_parser("fixtures", help="write the offline model cache")
     p.add_argument("--out", default=None)
@@ -142,6 +149,16 @@ def main(argv: list[str] | None = None) -> int:
                 threads=args.xz_threads,
                 wheels_dir=args.wheels,
                 use_host=args.use_host,
+            )
+        elif args.cmd == "resplit":
+            from pathlib import Path
+
+            from .bundle import resolve_part_size, resplit
+
+            m = resplit(Path(args.dir), resolve_part_size(args.part_size))
+            print(
+                f"{len(m['parts'])} part(s) of at most {m['part_size'] >> 20} MiB "
+                f"in {args.dir}/upload-1..{len(m['parts'])}"
             )
         elif args.cmd == "testbed":
             from .testbed import ensure_testbed

@@ -487,6 +487,44 @@ def write_upload_dirs(out: Path, parts: list[Path]) -> list[Path]:
     return dirs
 
 
+def resplit(bundle_dir: Path, part_size: int) -> dict:
+    """Cut an existing bundle (the vLLM bundle or the torch stack: both have
+    a manifest with ``payload`` and ``parts``) into parts of at most
+    ``part_size`` bytes, without packing it again: what fits beside the
+    working tree shrinks as the repository grows, and compressing again takes
+    many minutes. The parts are checked, joined, checked as a payload, split,
+    and the manifest's ``parts`` and ``upload-N/`` folders rewritten; the
+    payload, and so what the host installs, stays the same."""
+    mpath = bundle_dir / "manifest.json"
+    if not mpath.is_file():
+        raise ToolError(f"{bundle_dir} has no manifest.json")
+    manifest = json.loads(mpath.read_text())
+    payload = manifest["payload"]
+    with tempfile.TemporaryDirectory(prefix="hsfork-resplit-", dir=bundle_dir) as tmp:
+        joined = Path(tmp) / payload["name"]
+        with open(joined, "wb") as dst:
+            for p in manifest["parts"]:
+                path = bundle_dir / p["name"]
+                if not path.is_file():
+                    raise ToolError(f"missing part {path}")
+                if sha256_file(path) != p["sha256"]:
+                    raise ToolError(f"sha256 mismatch: {path}")
+                with open(path, "rb") as src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+        if sha256_file(joined) != payload["sha256"]:
+            raise ToolError(f"the joined parts of {bundle_dir} are not its payload")
+        for p in manifest["parts"]:
+            (bundle_dir / p["name"]).unlink()
+        for d in bundle_dir.glob("upload-*"):
+            shutil.rmtree(d)
+        parts = split(joined, part_size, bundle_dir)
+        manifest["parts"] = payload_manifest(joined, parts)["parts"]
+        manifest["part_size"] = part_size
+    mpath.write_text(json.dumps(manifest, indent=2) + "\n")
+    write_upload_dirs(bundle_dir, parts)
+    return manifest
+
+
 def build_bundle(
     out: Path,
     wheel: Path,

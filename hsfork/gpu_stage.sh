@@ -20,12 +20,16 @@ mkdir -p "$STAGING"
 payload_sha() {
   python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["payload"]["sha256"])' "$1"
 }
+parts_sig() {  # the split: a bundle cut again (hsfork resplit) keeps its payload
+  python3 -c 'import hashlib, json, sys; m = json.load(open(sys.argv[1])); print(hashlib.sha256(json.dumps([m["payload"]["sha256"]] + [p["sha256"] for p in m["parts"]]).encode()).hexdigest())' "$1"
+}
 for d in "$@"; do
   [ -f "$d/manifest.json" ] || { echo "error: $d has no manifest.json" >&2; exit 2; }
-  # parts of another payload (a rebuilt bundle: same part names, other
-  # bytes) would count as present and fail the installer's sha256 check
+  # parts of another payload or split (a rebuilt or resplit bundle: same
+  # part names, other bytes) would count as present and fail the
+  # installer's sha256 check
   if [ -f "$STAGING/manifest.json" ] &&
-     [ "$(payload_sha "$STAGING/manifest.json")" != "$(payload_sha "$d/manifest.json")" ]; then
+     [ "$(parts_sig "$STAGING/manifest.json")" != "$(parts_sig "$d/manifest.json")" ]; then
     rm -f "$STAGING"/*.part-*
   fi
   cp -f "$d"/* "$STAGING"/

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hsfork.bundle import build_bundle, is_optional, parse_size
+from hsfork.bundle import build_bundle, is_optional, parse_size, resplit
 from hsfork.common import ToolError
 
 VERSION = "0.26.0+hybridspec.p0.test"
@@ -216,3 +216,34 @@ def test_gpu_stage_one_upload_at_a_time(bundle, tmp_path):
     assert not list(staging.glob("*.part-*"))
     proc = _stage(uploads[0], staging, target)
     assert proc.returncode == 0 and "already holds this bundle" in proc.stdout
+
+
+def test_resplit_keeps_the_payload_and_stages_over_the_old_split(bundle, tmp_path):
+    """hsfork resplit: smaller parts, the same payload; parts of the old split
+    left in the staging folder (same names, other bytes) are dropped when the
+    new split's first upload arrives, and the install goes through."""
+    out, manifest, _ = bundle
+    staging, target = tmp_path / "hs-staging", tmp_path / "hybridspec"
+    old_uploads = sorted(out.glob("upload-*"), key=lambda d: int(d.name.split("-")[1]))
+    # the old split, staged but for its last upload (copies: resplit
+    # rewrites the bundle folder)
+    for d in old_uploads[:-1]:
+        assert _stage(d, staging, target).returncode == 3
+    new = resplit(out, 8 * 1024)
+    assert new["payload"] == manifest["payload"]
+    assert len(new["parts"]) > len(manifest["parts"])
+    assert all(p["size"] <= 8 * 1024 for p in new["parts"])
+    assert sum(p["size"] for p in new["parts"]) == new["payload"]["size"]
+    assert json.loads((out / "manifest.json").read_text()) == new
+    uploads = sorted(out.glob("upload-*"), key=lambda d: int(d.name.split("-")[1]))
+    assert len(uploads) == len(new["parts"])
+    for i, d in enumerate(uploads, 1):
+        proc = _stage(d, staging, target)
+        assert proc.returncode == (0 if i == len(uploads) else 3), proc.stderr
+    assert f"import vllm {VERSION} from {target}" in proc.stdout
+    # a corrupt part is refused before anything is rewritten
+    first = out / new["parts"][0]["name"]
+    first.write_bytes(b"x" + first.read_bytes()[1:])
+    with pytest.raises(ToolError, match="sha256 mismatch"):
+        resplit(out, 16 * 1024)
+    assert json.loads((out / "manifest.json").read_text()) == new

@@ -450,6 +450,28 @@ def test_full_matrix_runs_cover_both_runners_and_every_fixture():
     assert any(c["drafter"] == "ngram" and c["k"] == 64 for c in cells)
 
 
+def test_full_matrix_shards_deal_each_cell_to_one_process():
+    """A ``slice:S`` entry of RUNS: S processes (``--shard i/S``) that
+    together run each of the slice's cells once."""
+    from harness.equivalence import shard, slice_cells
+    from harness.full_matrix import RUNS, slice_of
+
+    sharded = [e for n in RUNS for e in RUNS[n] if ":" in e]
+    assert sharded
+    for entry in sharded:
+        cells = slice_cells(slice_of(entry))
+        s = int(entry.partition(":")[2])
+        dealt = [c.key() for i in range(1, s + 1) for c in shard(cells, f"{i}/{s}")]
+        assert sorted(map(json.dumps, dealt)) == sorted(
+            json.dumps(c.key()) for c in cells
+        )
+        sizes = [len(shard(cells, f"{i}/{s}")) for i in range(1, s + 1)]
+        assert max(sizes) - min(sizes) <= 1
+    for bad in ("0/2", "3/2", "x"):
+        with pytest.raises(SystemExit):
+            shard([], bad)
+
+
 def test_full_matrix_summary_lists_unrun_cells(tmp_path):
     from harness.equivalence import slice_cells
     from harness.full_matrix import RUNS, expected_cells, summarize
