@@ -11,17 +11,18 @@ one process per slice and variant):
 2. V1 runner, the drafters: MTP on Qwen3.5 and NemotronH (async scheduling,
    graphs, align), the trained fast-apply fixture (n-gram k=64, MTP),
    TurboQuant KV cache, and Qwen3-Next / Granite-4.0-H / Kimi-Linear;
-3. Model Runner V2: the fast-apply fixture, TurboQuant, and both
-   random-weight fixtures through their MTP heads (scripted and MTP);
-4. the draft_model method (an attention-only draft model, and a hybrid one
-   that the fork refuses) and EAGLE-3 heads on both runners.
+3. Model Runner V2: the fast-apply fixture, TurboQuant, and Qwen3.5
+   through its MTP head (scripted and MTP);
+4. NemotronH on Model Runner V2 through its MTP head, the draft_model
+   method (an attention-only draft model, and a hybrid one that the fork
+   refuses) and EAGLE-3 heads on both runners.
 
 Model Runner V2's cells were one call until v0.33.0's first whole matrix: on
 a cold host its 12 processes spent 200-320 s on their first cell each
 (compilation and start-up at once), and the call's deadline left 41 of its
-63 fork cells unstarted. Its two calls deal their longest slices (14 and 9
-cells of 25-45 s each) into two processes each, so that no process of a
-call carries more than about 9 cells.
+63 fork cells unstarted. Its two calls now deal every slice (9 to 14 cells
+of 25-45 s each) into two processes, so that no process carries more than
+7 cells, and each call runs 12 processes.
 
 ``python -m harness.full_matrix summarize DIR`` reads every report of the
 four calls in ``DIR`` and writes ``FULL.md`` (one line per cell, fork and
@@ -58,10 +59,10 @@ RUNS: dict[int, tuple[str, ...]] = {
     3: (
         "fa-mrv2:2",
         "tq-mrv2:2",
-        "mrv2-matrix-q",
-        "mrv2-matrix-n",
+        "mrv2-matrix-q:2",
     ),
     4: (
+        "mrv2-matrix-n:2",
         "draft-model-probe:2",
         "eagle3-probe:2",
     ),
