@@ -627,6 +627,12 @@ def fuzz_run(
     from . import compat
 
     runner = runner or run_group_child
+    if deadline_s < min_group_s:
+        print(
+            f"fuzz: a deadline of {deadline_s:g} s leaves no room for one group "
+            f"(a group starts only with {min_group_s:g} s left): nothing run",
+            file=sys.stderr,
+        )
     start = time.time()
     rng = random.Random(seed)
     n = 0
@@ -652,7 +658,7 @@ def fuzz_run(
                 },
             )
         runner(items, out, seed, min(left, per_config_s * len(g) + 90))
-    return summary(read_lines(out))
+    return summary(read_lines(out) if Path(out).exists() else [])
 
 
 def summary(lines: list[dict]) -> dict:

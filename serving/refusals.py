@@ -93,6 +93,17 @@ CASES: list[Case] = [
         "NemotronH): the draft proposers keep no recurrent state of their own",
     ),
     Case(
+        "draft-model-maps-to-mtp",
+        ("v0.33.0",),
+        "fork 0009 (v0.33.0)",
+        "qwen3_5",
+        {"speculative_config": _spec("draft_model", model=f"{MODEL}/qwen3_5")},
+        r"method='mtp'|attention layers only",
+        "method='draft_model' with a Qwen3.5 checkpoint (here the target "
+        "itself): its model type maps to an MTP drafter, and vLLM would load "
+        "its MTP layers in place of the draft model asked for",
+    ),
+    Case(
         "align-k-ge-mamba-block",
         ("v0.26.0",),
         "fork 0013",

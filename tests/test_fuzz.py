@@ -510,6 +510,13 @@ def test_run_writes_start_then_result_lines(tmp_path):
     assert s["counts"].get("killed") == 3
 
 
+def test_a_deadline_too_short_for_one_group_runs_nothing_and_says_so(tmp_path, capsys):
+    out = tmp_path / "fork-s1.jsonl"
+    s = fuzz.fuzz_run(out, 1, deadline_s=110, runner=lambda *a: None)
+    assert s["tried"] == 0 and not out.exists()
+    assert "leaves no room for one group" in capsys.readouterr().err
+
+
 def _configs_grouped(seed, n, group):
     return [c for g in fuzz.draw(seed, n, group) for c in g]
 
