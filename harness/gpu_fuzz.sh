@@ -33,7 +33,7 @@ if [[ ${1:-} == shrink ]]; then
   source "$R/harness/upstream_site.sh"
   make_site "$V" || exit 1
   export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.2} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-2e9}
-  PYTHONPATH=$(site_pythonpath "$V") timeout $((DEADLINE + 400)) \
+  VLLM_CACHE_ROOT=$(variant_cache "$V") PYTHONPATH=$(site_pythonpath "$V") timeout $((DEADLINE + 400)) \
     python3 -m harness.fuzz shrink "$RUN" --id "$ID" --deadline "$DEADLINE" \
     --per-call "${GROUP:-4}"
   cp -n "$R"/harness/regressions/*.json "$OUT/regressions/" 2>/dev/null
@@ -55,7 +55,7 @@ for v in $VARIANTS; do
   # the same configurations
   for ((j = 0; j < ${JOBS:-1}; j++)); do
     s=$((SEED + j))
-    PYTHONPATH=$(site_pythonpath "$v") timeout $((DEADLINE + 150)) \
+    VLLM_CACHE_ROOT=$(variant_cache "$v") PYTHONPATH=$(site_pythonpath "$v") timeout $((DEADLINE + 150)) \
       python3 -m harness.fuzz run --out "$OUT/fuzz" --variant "$name" \
       --seed "$s" --deadline "$DEADLINE" --group "${GROUP:-6}" \
       > "$OUT/logs/fuzz-$name-s$s.log" 2>&1 &

@@ -25,7 +25,7 @@ for v in $VARIANTS; do make_site "$v" || exit 1; done
 export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.1} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-2e9}
 pids=()
 for v in $VARIANTS; do
-  PYTHONPATH=$(site_pythonpath "$v") python3 -c \
+  VLLM_CACHE_ROOT=$(variant_cache "$v") PYTHONPATH=$(site_pythonpath "$v") python3 -c \
     "import vllm; print('$v', vllm.__file__)"
   for entry in $SLICES; do
     # SLICE or SLICE:S (its cells dealt into S processes)
@@ -34,7 +34,7 @@ for v in $VARIANTS; do
     for ((i = 1; i <= n; i++)); do
       run="$s-${v//+/-with-}" shard=()
       ((n > 1)) && run="$run-$i-of-$n" shard=(--shard "$i/$n")
-      PYTHONPATH=$(site_pythonpath "$v") \
+      VLLM_CACHE_ROOT=$(variant_cache "$v") PYTHONPATH=$(site_pythonpath "$v") \
         timeout $((DEADLINE + 170)) python3 -m harness.equivalence --slice "$s" \
         "${shard[@]}" --run "$run" --out "$OUT/equivalence" --deadline "$DEADLINE" \
         > "$OUT/logs/$run.log" 2>&1 &

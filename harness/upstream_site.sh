@@ -62,6 +62,12 @@ make_site() {
 }
 # the old name, for scripts that make only upstream sites
 make_upstream_site() { make_site "$@"; }
+# Each variant compiles into its own vLLM cache (VLLM_CACHE_ROOT): the key of
+# vLLM's torch.compile cache covers the configuration and the traced source,
+# not every file a patch changes, so one variant could load the graph another
+# compiled (seen on v0.33.0: the fork loaded upstream's EAGLE-3 backbone,
+# compiled for other aux layers, and failed with upstream's error).
+variant_cache() { echo "${HS_VLLM_CACHE:-/tmp/vllm-cache}/${1//+/-with-}"; }
 site_pythonpath() {
   local site
   site=$(_site_dir "$1")

@@ -868,3 +868,33 @@ def test_tp2_slice_shards_every_recurrent_head_count():
         # a group count of 1 is replicated on every rank
         assert all(v % 2 == 0 or k.endswith("n_groups") and v == 1
                    for k, v in heads.items()), heads  # fmt: skip
+
+
+def test_every_variant_process_gets_its_own_compile_cache():
+    """A GPU script that starts a variant's process (``site_pythonpath``)
+    gives it that variant's vLLM cache (``variant_cache``): vLLM's
+    torch.compile cache key does not cover every patched file, and the fork
+    once loaded upstream's compiled EAGLE-3 backbone."""
+    import re
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    scripts = [p for d in ("harness", "benchmarks", "serving")
+               for p in (repo / d).glob("*.sh")]  # fmt: skip
+    starts = 0
+    for p in scripts:
+        for line in p.read_text().splitlines():
+            if re.search(r"PYTHONPATH=[^ ]*\$\(site_pythonpath ", line):
+                starts += 1
+                assert "VLLM_CACHE_ROOT=$(variant_cache " in line, (p.name, line)
+    assert starts >= 7
+    fn = next(
+        ln for ln in (repo / "harness/upstream_site.sh").read_text().splitlines()
+        if ln.startswith("variant_cache()")
+    )
+    out = subprocess.run(
+        ["bash", "-c", f"{fn}\nvariant_cache fork; variant_cache upstream; "
+         "variant_cache fork+0001"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    assert len(set(out)) == 3 and all(o.startswith("/tmp/vllm-cache/") for o in out)
