@@ -450,6 +450,7 @@ ROW_KEEP = (
     "accept",
     "drafts_per_step",
     "error",
+    "traceback",  # the engine error's last frames: what a failure is triaged by
     "drift_violations",
     "first_drift",
 )
@@ -555,6 +556,30 @@ def run_group_here(
         append(out, r)
         results.append(r)
     return results
+
+
+def regroup(runs: list[Path], ids: list[str], out: Path) -> list[Path]:
+    """One group file (``run-group``'s input) per configuration of ``runs``
+    named in ``ids``, or per failure where ``ids`` is empty, with the seed it
+    was drawn with: to run failures again alone (another stack, both
+    variants, their tracebacks kept) without drawing their groups again."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for run in runs:
+        lines = read_lines(run)
+        seeds = {ln["id"]: ln.get("seed", 0) for ln in lines if ln["event"] == "start"}
+        for cid, r in outcomes(lines).items():
+            wanted = cid in ids if ids else r["status"] == FAILED
+            if not wanted:
+                continue
+            path = out / f"{cid}.json"
+            path.write_text(json.dumps({"seed": seeds.get(cid, 0),
+                                        "items": [[cid, r["config"]]]}))  # fmt: skip
+            written.append(path)
+    missing = set(ids) - {p.stem for p in written}
+    if missing:
+        raise SystemExit(f"not in {[str(r) for r in runs]}: {sorted(missing)}")
+    return written
 
 
 def run_group_child(
@@ -1113,6 +1138,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON lines of the shrink runs")
     p.add_argument("--regressions", default=str(REGRESSIONS))
+    p = sub.add_parser(
+        "regroup",
+        help="write a group file per configuration to run again (run-group): "
+        "the failures of run files, or the ids given",
+    )
+    p.add_argument("runs", nargs="+", help="JSON-lines run files")
+    p.add_argument("--ids", default="", help="ID[,ID...] (default: every failure)")
+    p.add_argument("--out", required=True, help="folder for the group files")
     p = sub.add_parser("report", help="markdown summary of a fuzz directory")
     p.add_argument("dir")
     a = ap.parse_args(argv)
@@ -1143,6 +1176,11 @@ def main(argv: list[str] | None = None) -> None:
             a.variant,
         )
         print(json.dumps(s, default=str))
+        return
+    if a.cmd == "regroup":
+        ids = [i for i in a.ids.split(",") if i]
+        for path in regroup([Path(r) for r in a.runs], ids, Path(a.out)):
+            print(path)
         return
     if a.cmd == "run-group":
         g = json.loads(Path(a.group).read_text())

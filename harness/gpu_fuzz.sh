@@ -7,6 +7,11 @@
 #   bash harness/gpu_fuzz.sh VARIANTS DEADLINE_S SEED
 #   e.g. bash harness/gpu_fuzz.sh "fork upstream" 420 1
 #
+# Failures run again alone (another stack, both variants, tracebacks kept):
+#
+#   python -m harness.fuzz regroup RUN.jsonl... --out GROUP_DIR [--ids ID,...]
+#   bash harness/gpu_fuzz.sh rerun "fork upstream" GROUP_DIR DEADLINE_S
+#
 # Shrinking a failure is a second phase, one variant, resumable across calls
 # (the state file beside the run file): the minimal failing configuration
 # is written to harness/regressions/ (copied to $OUT/regressions):
@@ -37,6 +42,44 @@ if [[ ${1:-} == shrink ]]; then
     python3 -m harness.fuzz shrink "$RUN" --id "$ID" --deadline "$DEADLINE" \
     --per-call "${GROUP:-4}"
   cp -n "$R"/harness/regressions/*.json "$OUT/regressions/" 2>/dev/null
+  exit 0
+fi
+if [[ ${1:-} == rerun ]]; then
+  # bash harness/gpu_fuzz.sh rerun VARIANTS GROUP_DIR DEADLINE_S: each group
+  # file (python -m harness.fuzz regroup) alone, for each variant, all at once
+  VARIANTS=$2 GROUP_DIR=$3 DEADLINE=${4:-300}
+  OUT=${OUT:-$R/out}
+  mkdir -p "$OUT/fuzz" "$OUT/logs"
+  # shellcheck disable=SC1091
+  source "$R/harness/upstream_site.sh"
+  for v in $VARIANTS; do make_site "$v" || exit 1; done
+  export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.05} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-2e9}
+  pids=()
+  for v in $VARIANTS; do
+    name=${v//+/-with-}
+    for g in "$GROUP_DIR"/*.json; do
+      id=$(basename "$g" .json)
+      VLLM_CACHE_ROOT=$(variant_cache "$v") PYTHONPATH=$(site_pythonpath "$v") \
+        timeout $((DEADLINE + 60)) python3 -m harness.fuzz run-group "$g" \
+        --out "$OUT/fuzz/rerun-$name-$id.jsonl" --deadline "$DEADLINE" \
+        > "$OUT/logs/rerun-$name-$id.log" 2>&1 &
+      pids+=($!)
+      sleep 2
+    done
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  for f in "$OUT"/fuzz/rerun-*.jsonl; do
+    python3 -c 'import json, sys
+for ln in open(sys.argv[1]):
+    d = json.loads(ln)
+    r = d.get("row") or {}
+    print(sys.argv[1].rsplit("/", 1)[-1], d["status"], r.get("divergences"),
+          json.dumps(r.get("first_divergence")), (r.get("error") or "")[:120])' "$f"
+  done
+  if [ "${HS_PACK:-1}" = 1 ]; then
+    tar -czf "$OUT/rerun-$(date +%H%M%S).tgz" -C "$OUT" fuzz logs &&
+      rm -rf "$OUT/fuzz" "$OUT/logs"
+  fi
   exit 0
 fi
 VARIANTS=${1:-fork}

@@ -869,3 +869,28 @@ def test_shrink_command_shrinks_a_crash(tmp_path, monkeypatch):
     d = json.loads(f.read_text())
     assert d["failure"] == "crashed" and "illegal memory access" in d["error"]
     assert FuzzConfig.from_json(d["config"]).k == 8
+
+
+def test_a_failed_configuration_keeps_the_engine_traceback():
+    row = {"status": "error", "error": "AssertionError", "tokens": 0,
+           "traceback": 'File "x.py", line 1\nAssertionError'}  # fmt: skip
+    line = fuzz.result_line("s1-0", FuzzConfig("qwen3_5", "ngram", 8), row, None)
+    assert line["row"]["traceback"].endswith("AssertionError")
+
+
+def test_regroup_writes_one_group_per_failure_with_its_seed(tmp_path):
+    run = tmp_path / "fork-s3.jsonl"
+    a = FuzzConfig("qwen3_5", "ngram", 8, chunked=True, budget=64)
+    b = FuzzConfig("nemotron_h", "mtp", 2)
+    for cid, c, status in (("s3-0", a, "ok"), ("s3-1", b, "failed")):
+        fuzz.append(run, {"event": "start", "id": cid, "config": c.to_json(),
+                          "seed": 3})  # fmt: skip
+        fuzz.append(run, {"event": "result", "id": cid, "config": c.to_json(),
+                          "status": status})  # fmt: skip
+    (path,) = fuzz.regroup([run], [], tmp_path / "g")
+    g = json.loads(path.read_text())
+    assert path.stem == "s3-1" and g["seed"] == 3
+    assert [FuzzConfig.from_json(c) for _, c in g["items"]] == [b]
+    assert len(fuzz.regroup([run], ["s3-0", "s3-1"], tmp_path / "h")) == 2
+    with pytest.raises(SystemExit, match="s3-9"):
+        fuzz.regroup([run], ["s3-9"], tmp_path / "i")
