@@ -889,7 +889,8 @@ def test_every_variant_process_gets_its_own_compile_cache():
                 assert "VLLM_CACHE_ROOT=$(variant_cache " in line, (p.name, line)
     assert starts >= 7
     fn = next(
-        ln for ln in (repo / "harness/upstream_site.sh").read_text().splitlines()
+        ln
+        for ln in (repo / "harness/upstream_site.sh").read_text().splitlines()
         if ln.startswith("variant_cache()")
     )
     out = subprocess.run(
