@@ -94,8 +94,8 @@ CASES: list[Case] = [
     ),
     Case(
         "draft-model-maps-to-mtp",
-        ("v0.33.0",),
-        "fork 0009 (v0.33.0)",
+        LINES,
+        "fork 0020 (v0.26.0) / 0009 (v0.33.0)",
         "qwen3_5",
         {"speculative_config": _spec("draft_model", model=f"{MODEL}/qwen3_5")},
         r"method='mtp'|attention layers only",
