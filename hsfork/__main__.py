@@ -81,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         "beside today's working tree (no packing again)",
     )
     p.add_argument("dir", help="the bundle folder (with manifest.json)")
-    p.add_argument("--part-size", default="auto", help="largest part; auto: as bundle")
+    p.add_argument(
+        "--part-size",
+        default="auto",
+        help="largest part (e.g. 27M); auto: one upload beside the working tree",
+    )
     sub.add_parser("testbed", help="create or update the line's CPU test bed venv")
     p = sub.add_parser("fixtures", help="write the offline model cache")
     p.add_argument("--out", default=None)
