@@ -176,6 +176,20 @@ def test_patch_message_speaks_to_upstream(patch: Path):
     assert not found, "\n".join(found)
 
 
+@pytest.mark.parametrize(
+    "patch", _patch_files(), ids=lambda p: f"{p.parent.name}/{p.name[:4]}"
+)
+def test_patch_author_is_who_signs_it_off(patch: Path):
+    """The From: identity (a fork's local git default can leak in when a
+    commit is made there) is the identity of the Signed-off-by trailer."""
+    text = patch.read_text()
+    head = text[: text.index("\nSubject: ")]
+    author = re.search(r"^From: (.+(?:\n .+)*)$", head, re.M)
+    signed = re.findall(r"^Signed-off-by: (.+)$", text, re.M)
+    assert author and signed
+    assert " ".join(author.group(1).split()) == signed[-1].strip(), patch.name
+
+
 def test_checker_flags_process_words_and_missing_trailers(tmp_path: Path):
     """The checker itself: a bad message is caught, a good one passes."""
     good = (
