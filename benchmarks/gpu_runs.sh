@@ -30,7 +30,7 @@ profile)
 from benchmarks.side_by_side import ensure_upstream_site, series
 print('upstream site:', ensure_upstream_site('/tmp/hybridspec/site', '/tmp/upstream-site', series('$PATCHES')))"
   for v in ${PROFILE_ORDER:-fork upstream}; do
-    VLLM_CACHE_ROOT=$(variant_cache "$v") PYTHONPATH=$(site_pythonpath "$v") python3 -m benchmarks.step_profile \
+    in_variant "$v" python3 -m benchmarks.step_profile \
       --variant "$v" --out "$OUT/profile-$v" -- "${args[@]}" \
       > "$OUT/logs/profile-$v.log" 2>&1
     grep -E '^\[profile\]|Error' "$OUT/logs/profile-$v.log" | tail -5
@@ -46,14 +46,14 @@ tq)
     extra=(--label "tq_$cfg")
     [[ $cfg == downgrade ]] && extra+=(--tq-cudagraph downgrade)
     [[ $cfg == eager ]] && extra+=(--eager)
-    VLLM_CACHE_ROOT=$(variant_cache fork) PYTHONPATH=$(site_pythonpath fork) timeout 300 python3 -m benchmarks.decode_latency \
+    in_variant fork timeout 300 python3 -m benchmarks.decode_latency \
       "${common[@]}" "${extra[@]}" --out "$OUT/tq/tq_$cfg.json" --deadline 280 \
       > "$OUT/logs/tq-$cfg.log" 2>&1
     grep -E '^\[bench\]|Error' "$OUT/logs/tq-$cfg.log" | tail -6
   done
   ;;
 mtp-mrv2)
-  VLLM_CACHE_ROOT=$(variant_cache fork) PYTHONPATH=$(site_pythonpath fork) python3 -m benchmarks.side_by_side \
+  in_variant fork python3 -m benchmarks.side_by_side \
     --modes mtp --out "$OUT/mtp-mrv2" --run mtp-mrv2 --deadline "${2:-540}" \
     -- --runner mrv2 --label mtp_mrv2 --mtp-k 3 --tokens 96
   ;;

@@ -89,8 +89,8 @@ else
   fi
   META=(--meta "fork_site_patched=$FP_FORK" --meta "upstream_site_patched=$FP_UP")
   VARIANTS=(
-    --variant "fork=env VLLM_CACHE_ROOT=$(variant_cache fork) PYTHONPATH=$(site_pythonpath fork) $PY -m vllm.entrypoints.cli.main"
-    --variant "upstream=env VLLM_CACHE_ROOT=$(variant_cache upstream) PYTHONPATH=$(site_pythonpath upstream) $PY -m vllm.entrypoints.cli.main"
+    --variant "fork=env $(variant_env fork) $PY -m vllm.entrypoints.cli.main"
+    --variant "upstream=env $(variant_env upstream) $PY -m vllm.entrypoints.cli.main"
   )
 fi
 {

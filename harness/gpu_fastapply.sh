@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED=1
 case $1 in
 train)
   make_site fork || exit 1
-  VLLM_CACHE_ROOT=$(variant_cache fork) PYTHONPATH=$(site_pythonpath fork) python3 -m harness.fastapply train \
+  in_variant fork python3 -m harness.fastapply train \
     --out "$2" --device cuda --budget-s "${3:-210}" --eval-n 64 \
     --save-dtype bfloat16 2>&1 | tee "$OUT/logs/fastapply-train.log" | grep -v '"step"' | tail -5
   mkdir -p "$OUT/fastapply" && cp "$2"/* "$OUT/fastapply/"
@@ -28,7 +28,7 @@ eval)
   export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.2} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-4e9}
   pids=()
   for v in $3; do
-    VLLM_CACHE_ROOT=$(variant_cache "$v") PYTHONPATH=$(site_pythonpath "$v") python3 -m harness.fastapply vllm \
+    in_variant "$v" python3 -m harness.fastapply vllm \
       --model "$2" --n "${4:-64}" --batch 1 8 --spec none ngram --k 64 \
       --out "$OUT/fastapply-eval-$v.json" > "$OUT/logs/fastapply-eval-$v.log" 2>&1 &
     pids+=($!)

@@ -30,75 +30,50 @@
 # configuration side by side), logs in $OUT/logs.
 set -u
 R=$PWD
+OUT=${OUT:-$R/out}
+# shellcheck disable=SC1091
+source "$R/harness/upstream_site.sh"
 if [[ ${1:-} == shrink ]]; then
   V=$2 RUN=$3 ID=$4 DEADLINE=${5:-420}
-  OUT=${OUT:-$R/out}
   mkdir -p "$OUT/regressions"
-  # shellcheck disable=SC1091
-  source "$R/harness/upstream_site.sh"
-  make_site "$V" || exit 1
-  export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.2} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-2e9}
-  VLLM_CACHE_ROOT=$(variant_cache "$V") PYTHONPATH=$(site_pythonpath "$V") timeout $((DEADLINE + 400)) \
+  prepare_variants "$V" 0.2 || exit 1
+  in_variant "$V" timeout $((DEADLINE + 400)) \
     python3 -m harness.fuzz shrink "$RUN" --id "$ID" --deadline "$DEADLINE" \
     --per-call "${GROUP:-4}"
   cp -n "$R"/harness/regressions/*.json "$OUT/regressions/" 2>/dev/null
   exit 0
 fi
+MODE=fuzz
 if [[ ${1:-} == rerun ]]; then
   # bash harness/gpu_fuzz.sh rerun VARIANTS GROUP_DIR DEADLINE_S: each group
   # file (python -m harness.fuzz regroup) alone, for each variant, all at once
-  VARIANTS=$2 GROUP_DIR=$3 DEADLINE=${4:-300}
-  OUT=${OUT:-$R/out}
-  mkdir -p "$OUT/fuzz" "$OUT/logs"
-  # shellcheck disable=SC1091
-  source "$R/harness/upstream_site.sh"
-  for v in $VARIANTS; do make_site "$v" || exit 1; done
-  export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.05} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-2e9}
-  pids=()
-  for v in $VARIANTS; do
-    name=${v//+/-with-}
+  MODE=rerun VARIANTS=$2 GROUP_DIR=$3 DEADLINE=${4:-300}
+  prepare_variants "$VARIANTS" 0.05 || exit 1
+else
+  VARIANTS=${1:-fork} DEADLINE=${2:-420} SEED=${3:-0}
+  prepare_variants "$VARIANTS" 0.1 || exit 1
+fi
+mkdir -p "$OUT/fuzz" "$OUT/logs"
+pids=()
+for v in $VARIANTS; do
+  name=${v//+/-with-}
+  if [[ $MODE == rerun ]]; then
     for g in "$GROUP_DIR"/*.json; do
       id=$(basename "$g" .json)
-      VLLM_CACHE_ROOT=$(variant_cache "$v") PYTHONPATH=$(site_pythonpath "$v") \
-        timeout $((DEADLINE + 60)) python3 -m harness.fuzz run-group "$g" \
+      in_variant "$v" timeout $((DEADLINE + 60)) \
+        python3 -m harness.fuzz run-group "$g" \
         --out "$OUT/fuzz/rerun-$name-$id.jsonl" --deadline "$DEADLINE" \
         > "$OUT/logs/rerun-$name-$id.log" 2>&1 &
       pids+=($!)
       sleep 2
     done
-  done
-  for p in "${pids[@]}"; do wait "$p"; done
-  for f in "$OUT"/fuzz/rerun-*.jsonl; do
-    python3 -c 'import json, sys
-for ln in open(sys.argv[1]):
-    d = json.loads(ln)
-    r = d.get("row") or {}
-    print(sys.argv[1].rsplit("/", 1)[-1], d["status"], r.get("divergences"),
-          json.dumps(r.get("first_divergence")), (r.get("error") or "")[:120])' "$f"
-  done
-  if [ "${HS_PACK:-1}" = 1 ]; then
-    tar -czf "$OUT/rerun-$(date +%H%M%S).tgz" -C "$OUT" fuzz logs &&
-      rm -rf "$OUT/fuzz" "$OUT/logs"
+    continue
   fi
-  exit 0
-fi
-VARIANTS=${1:-fork}
-DEADLINE=${2:-420}
-SEED=${3:-0}
-OUT=${OUT:-$R/out}
-mkdir -p "$OUT/fuzz" "$OUT/logs"
-# shellcheck disable=SC1091
-source "$R/harness/upstream_site.sh"
-for v in $VARIANTS; do make_site "$v" || exit 1; done
-export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.1} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-2e9}
-pids=()
-for v in $VARIANTS; do
-  name=${v//+/-with-}
   # JOBS processes per variant, seeds SEED, SEED+1, ...: every variant runs
   # the same configurations
   for ((j = 0; j < ${JOBS:-1}; j++)); do
     s=$((SEED + j))
-    VLLM_CACHE_ROOT=$(variant_cache "$v") PYTHONPATH=$(site_pythonpath "$v") timeout $((DEADLINE + 150)) \
+    in_variant "$v" timeout $((DEADLINE + 150)) \
       python3 -m harness.fuzz run --out "$OUT/fuzz" --variant "$name" \
       --seed "$s" --deadline "$DEADLINE" --group "${GROUP:-6}" \
       > "$OUT/logs/fuzz-$name-s$s.log" 2>&1 &
@@ -126,8 +101,8 @@ EOF
 # $OUT: the run files, report and logs travel as one archive (HS_PACK=0
 # keeps the files as they are).
 if [ "${HS_PACK:-1}" = 1 ]; then
-  tar -czf "$OUT/fuzz-$(date +%H%M%S).tgz" -C "$OUT" fuzz logs &&
-    rm -rf "$OUT/fuzz" "$OUT/logs" && echo "report: FUZZ.md in $OUT/fuzz-*.tgz"
+  tar -czf "$OUT/$MODE-$(date +%H%M%S).tgz" -C "$OUT" fuzz logs &&
+    rm -rf "$OUT/fuzz" "$OUT/logs" && echo "report: FUZZ.md in $OUT/$MODE-*.tgz"
 else
   echo "report: $OUT/fuzz/FUZZ.md"
 fi

@@ -21,11 +21,10 @@ OUT=${OUT:-$R/out}
 mkdir -p "$OUT/equivalence" "$OUT/logs"
 # shellcheck disable=SC1091
 source "$R/harness/upstream_site.sh"
-for v in $VARIANTS; do make_site "$v" || exit 1; done
-export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-0.1} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-2e9}
+prepare_variants "$VARIANTS" 0.1 || exit 1
 pids=()
 for v in $VARIANTS; do
-  VLLM_CACHE_ROOT=$(variant_cache "$v") PYTHONPATH=$(site_pythonpath "$v") python3 -c \
+  in_variant "$v" python3 -c \
     "import vllm; print('$v', vllm.__file__)"
   for entry in $SLICES; do
     # SLICE or SLICE:S (its cells dealt into S processes)
@@ -34,8 +33,7 @@ for v in $VARIANTS; do
     for ((i = 1; i <= n; i++)); do
       run="$s-${v//+/-with-}" shard=()
       ((n > 1)) && run="$run-$i-of-$n" shard=(--shard "$i/$n")
-      VLLM_CACHE_ROOT=$(variant_cache "$v") PYTHONPATH=$(site_pythonpath "$v") \
-        timeout $((DEADLINE + 170)) python3 -m harness.equivalence --slice "$s" \
+      in_variant "$v" timeout $((DEADLINE + 170)) python3 -m harness.equivalence --slice "$s" \
         "${shard[@]}" --run "$run" --out "$OUT/equivalence" --deadline "$DEADLINE" \
         > "$OUT/logs/$run.log" 2>&1 &
       pids+=($!)

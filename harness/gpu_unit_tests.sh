@@ -24,7 +24,8 @@ export HSFORK_HF_CACHE=/tmp/hsfork-hub HF_HUB_CACHE=/tmp/hsfork-hub HF_HUB_OFFLI
 PYTHONPATH=$R:$PYTHONPATH python3 -m hsfork fixtures > /dev/null 2>&1 \
   || echo "hsfork fixtures failed: hub-named tests will error"
 for v in $VARIANTS; do
-  (cd /tmp/forkroot && VLLM_CACHE_ROOT=$(variant_cache "$v") PYTHONPATH=/tmp/forkroot:$(site_pythonpath "$v") \
+  # shellcheck disable=SC2046
+  (cd /tmp/forkroot && env $(variant_env "$v" /tmp/forkroot) \
     timeout 300 python3 -m pytest -p no:cacheprovider -q -rfE "${TESTS[@]}" \
     > "$OUT/logs/unit-$v.log" 2>&1)
   echo "== $v: $(grep -E '(passed|failed|error)' "$OUT/logs/unit-$v.log" | tail -1)"

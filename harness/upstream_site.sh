@@ -68,6 +68,26 @@ make_upstream_site() { make_site "$@"; }
 # compiled (seen on v0.33.0: the fork loaded upstream's EAGLE-3 backbone,
 # compiled for other aux layers, and failed with upstream's error).
 variant_cache() { echo "${HS_VLLM_CACHE:-/tmp/vllm-cache}/${1//+/-with-}"; }
+# The environment a variant's process runs in (for env; paths without
+# blanks): its cache, and its site on PYTHONPATH (after the prefix $2, if
+# given). Every GPU script starts a variant's process this way.
+variant_env() {
+  echo "VLLM_CACHE_ROOT=$(variant_cache "$1") PYTHONPATH=${2:+$2:}$(site_pythonpath "$1")"
+}
+# in_variant VARIANT CMD...: run CMD in the variant's environment
+in_variant() {
+  local v=$1
+  shift
+  # shellcheck disable=SC2046
+  env $(variant_env "$v") "$@"
+}
+# prepare_variants "VARIANTS" MEM: every variant's site made; MEM is the
+# default share of GPU memory per process (HSFORK_GPU_MEM overrides it)
+prepare_variants() {
+  local v
+  for v in $1; do make_site "$v" || return 1; done
+  export HSFORK_GPU_MEM=${HSFORK_GPU_MEM:-$2} HSFORK_KV_BYTES=${HSFORK_KV_BYTES:-2e9}
+}
 site_pythonpath() {
   local site
   site=$(_site_dir "$1")

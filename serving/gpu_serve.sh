@@ -121,7 +121,7 @@ fastapply)
       # upstream_site.sh sourced env.sh again: this checkout first again
       export PYTHONPATH="$R:$PYTHONPATH"
       SRV+=(--server ngram-upstream=ngram --control ngram-upstream
-        --server-cmd "ngram-upstream=env VLLM_CACHE_ROOT=$(variant_cache upstream) PYTHONPATH=$(site_pythonpath upstream) $PY -m vllm.entrypoints.cli.main")
+        --server-cmd "ngram-upstream=env $(variant_env upstream) $PY -m vllm.entrypoints.cli.main")
     else
       echo "gpu_serve: no upstream site, running without the control" >&2
     fi

@@ -871,31 +871,40 @@ def test_tp2_slice_shards_every_recurrent_head_count():
 
 
 def test_every_variant_process_gets_its_own_compile_cache():
-    """A GPU script that starts a variant's process (``site_pythonpath``)
-    gives it that variant's vLLM cache (``variant_cache``): vLLM's
-    torch.compile cache key does not cover every patched file, and the fork
-    once loaded upstream's compiled EAGLE-3 backbone."""
-    import re
+    """GPU scripts start a variant's process only through ``in_variant`` /
+    ``variant_env`` (harness/upstream_site.sh), which give it its site and
+    its own vLLM cache: vLLM's torch.compile cache key does not cover every
+    patched file, and the fork once loaded upstream's compiled EAGLE-3
+    backbone."""
     import subprocess
 
     repo = Path(__file__).resolve().parents[1]
+    site = repo / "harness/upstream_site.sh"
     scripts = [p for d in ("harness", "benchmarks", "serving")
-               for p in (repo / d).glob("*.sh")]  # fmt: skip
-    starts = 0
+               for p in (repo / d).glob("*.sh") if p != site]  # fmt: skip
+    uses = 0
     for p in scripts:
-        for line in p.read_text().splitlines():
-            if re.search(r"PYTHONPATH=[^ ]*\$\(site_pythonpath ", line):
-                starts += 1
-                assert "VLLM_CACHE_ROOT=$(variant_cache " in line, (p.name, line)
-    assert starts >= 7
-    fn = next(
-        ln
-        for ln in (repo / "harness/upstream_site.sh").read_text().splitlines()
-        if ln.startswith("variant_cache()")
+        text = p.read_text()
+        assert "site_pythonpath" not in text, p.name
+        uses += text.count("in_variant ") + text.count("$(variant_env ")
+    assert uses >= 12
+    # the helpers themselves, with the site lookup stubbed
+    lines = site.read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("variant_cache()"))
+    end = next(i for i, ln in enumerate(lines) if ln.startswith("prepare_variants()"))
+    script = "\n".join(
+        ['site_pythonpath() { echo "/repo:/sites/$1"; }', *lines[start:end]]
+        + [
+            "variant_env fork; variant_env upstream; variant_env fork /pre",
+            "in_variant upstream sh -c 'echo $VLLM_CACHE_ROOT $PYTHONPATH'",
+        ]
     )
     out = subprocess.run(
-        ["bash", "-c", f"{fn}\nvariant_cache fork; variant_cache upstream; "
-         "variant_cache fork+0001"],
-        capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
-    assert len(set(out)) == 3 and all(o.startswith("/tmp/vllm-cache/") for o in out)
+        ["bash", "-c", script], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out == [
+        "VLLM_CACHE_ROOT=/tmp/vllm-cache/fork PYTHONPATH=/repo:/sites/fork",
+        "VLLM_CACHE_ROOT=/tmp/vllm-cache/upstream PYTHONPATH=/repo:/sites/upstream",
+        "VLLM_CACHE_ROOT=/tmp/vllm-cache/fork PYTHONPATH=/pre:/repo:/sites/fork",
+        "/tmp/vllm-cache/upstream /repo:/sites/upstream",
+    ]
