@@ -329,12 +329,27 @@ def set_runner(runner: str) -> None:
         raise ValueError(f"unknown runner {runner!r}")
 
 
+def reset_capture_guard() -> None:
+    """Give the next engine the CUDA graph capture guard a fresh process has.
+
+    The guard (``vllm.compilation.monitor``) is process-wide. The V1 runner
+    turns it off after its capture; Model Runner V2 captures with it as it
+    finds it, so on a base without the fork's patch "Turn the CUDA graph
+    capture guard on for its own capture" every MRV2 engine with piecewise
+    graphs after a V1 engine with graphs in the same process fails to start.
+    Engines here share a process, which our users' servers never do."""
+    from vllm.compilation import monitor
+
+    monitor.set_cudagraph_capturing_enabled(True)
+
+
 def _engine(cell: Cell, model_dir: str):
     from vllm import LLM
 
     from . import drafter_mrv2
 
     set_runner(cell.runner)
+    reset_capture_guard()
     if cell.runner == "mrv2" and cell.drafter.startswith("scripted:"):
         drafter_mrv2.install()  # HSFORK_SCRIPT is set by _scripted_env
     else:

@@ -593,6 +593,21 @@ def test_engine_kwargs_follow_the_line(line):
     assert "mamba_cache_mode" not in plain
 
 
+def test_each_engine_starts_with_the_capture_guard_on(monkeypatch):
+    """A V1 engine with graphs leaves vLLM's process-wide capture guard off;
+    the next in-process engine must not inherit that (see
+    reset_capture_guard)."""
+    from vllm.compilation import monitor
+
+    from harness.equivalence import reset_capture_guard
+
+    monkeypatch.setattr(monitor, "cudagraph_capturing_enabled", False)
+    with pytest.raises(RuntimeError, match="inappropriate time"):
+        monitor.validate_cudagraph_capturing_enabled()
+    reset_capture_guard()
+    monitor.validate_cudagraph_capturing_enabled()
+
+
 def test_runner_selection(monkeypatch, line):
     from harness import compat
     from harness.equivalence import RUNNER_ENV, set_runner
