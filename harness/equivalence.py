@@ -246,13 +246,19 @@ def write_drafter(cell: Cell, model_dir: str, seed: int) -> None:
 def spec_config(cell: Cell) -> dict | None:
     if cell.drafter == "none":
         return None
-    if cell.drafter in ("ngram", "ngram_gpu"):
-        return {
-            "method": cell.drafter,
+    if cell.drafter in ("ngram", "ngram_gpu", "ngram:acceptance"):
+        # ngram:acceptance: each request verifies as many of its n-gram
+        # drafts as its observed acceptance is worth (the fork's
+        # draft_length_policy; V1 only)
+        config = {
+            "method": cell.drafter.split(":")[0],
             "num_speculative_tokens": cell.k,
             "prompt_lookup_min": 2,
             "prompt_lookup_max": min(10, max(2, cell.k)),
         }
+        if cell.drafter == "ngram:acceptance":
+            config["draft_length_policy"] = "acceptance"
+        return config
     if cell.drafter == "mtp":
         return {"method": "mtp", "num_speculative_tokens": cell.k}
     if cell.drafter in ("draft_model", "draft_model:dense", "eagle3"):
@@ -838,6 +844,21 @@ def slice_cells(name: str) -> list[Cell]:
         # (harness.sampled.cells): drift oracle and support check
         part = name.removeprefix("sampled").lstrip("-") or "all"
         return [Cell(**kw) for kw in sampled.cells(part)]
+    if name == "draft-length":
+        # per-request n-gram draft lengths (draft_length_policy="acceptance"):
+        # lengths change per request and per step, down to zero drafts, next
+        # to full accepts; none and align mode (prefix hits on blocks written
+        # while speculating), a token budget that trims drafts
+        fa, m = FASTAPPLY, "qwen3_5"
+        return [
+            Cell(fa, "ngram:acceptance", 64, 8, "v1", max_tokens=128),
+            Cell(fa, "ngram:acceptance", 64, 64, "v1", max_tokens=128),
+            Cell(fa, "ngram:acceptance", 64, 16, "v1", "align", max_tokens=128),
+            Cell(fa, "ngram:acceptance", 64, 16, "v1", chunked=True, max_tokens=128),
+            Cell(fa, "ngram:acceptance", 64, 8, "default", max_tokens=128),
+            Cell(m, "ngram:acceptance", 64, 8, "v1"),
+            Cell("nemotron_h", "ngram:acceptance", 64, 8, "v1", "align"),
+        ]
     if name == "fuzz-regressions":
         # the fuzzer's shrunk failing configurations (harness.fuzz), each
         # file's "cell": harness/regressions/*.json

@@ -31,6 +31,15 @@ PRESETS: dict[str, dict | None] = {
         "prompt_lookup_min": 2,
         "prompt_lookup_max": 10,
     },
+    # the fork only: each request verifies as many of its up to 64 drafts as
+    # its observed acceptance is worth (draft_length_policy; V1 runner)
+    "ngram-acceptance": {
+        "method": "ngram",
+        "num_speculative_tokens": 64,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 10,
+        "draft_length_policy": "acceptance",
+    },
     "ngram8": {
         "method": "ngram",
         "num_speculative_tokens": 8,

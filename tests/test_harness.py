@@ -645,6 +645,24 @@ def test_ngram_gpu_spec_config():
     }
 
 
+def test_draft_length_slice_asks_for_the_acceptance_policy(line):
+    """The draft-length slice's cells run n-gram with per-request draft
+    lengths, which vLLM's own SpeculativeConfig of this line accepts (the
+    fork's patch) on the V1 runner."""
+    from vllm.config import SpeculativeConfig
+
+    from harness.equivalence import slice_cells, spec_config
+
+    cells = slice_cells("draft-length")
+    assert cells and {c.drafter for c in cells} == {"ngram:acceptance"}
+    assert {c.runner for c in cells} <= {"v1", "default"}
+    for cell in cells:
+        config = spec_config(cell)
+        assert config["method"] == "ngram"
+        assert config["draft_length_policy"] == "acceptance"
+        assert SpeculativeConfig(**config).draft_length_policy == "acceptance"
+
+
 def test_budget_probe_slice(line):
     from harness.equivalence import (
         BUDGET_PARTS,
