@@ -119,6 +119,8 @@ SCHEDULES = (
 DRAFTERS = {
     "ngram": 4,
     "ngram_gpu": 2,
+    # per-request n-gram draft lengths (the fork's draft_length_policy; V1)
+    "ngram:acceptance": 2,
     "mtp": 3,
     **{f"scripted:{s}": 1 for s in SCHEDULES},
     "draft_model:dense": 1,
@@ -158,6 +160,8 @@ REFUSED_BY_DESIGN = (
     # MRV2 feature gaps (n-gram and draft_model on v0.26.0)
     "Model Runner V2 does not yet support",
     "Speculative decoding is not supported for",
+    # unpatched bases: the fork's opt-in draft_length_policy does not exist
+    "draft_length_policy\n  Unexpected keyword argument",
 )
 FAILED, OK = "failed", "ok"
 LOST = ("timeout", "crashed")
@@ -230,6 +234,8 @@ def drafters_for(model: str, runner: str) -> list[str]:
             continue
         if d == "eagle3" and model not in ("qwen3_5", FASTAPPLY):
             continue
+        if d == "ngram:acceptance" and runner == "mrv2":
+            continue  # V1 only (the default runner on both lines with it)
         if d == "draft_model:dense" and model not in (
             "qwen3_5",
             "nemotron_h",
@@ -280,7 +286,9 @@ def draw_config(rng: random.Random, shape: dict | None = None) -> FuzzConfig:
     lo = rng.choice((1, 2, 3))
     # drafters that run on the host: async scheduling is refused with them
     # on V1 (REFUSED_BY_DESIGN), so drawn rarely
-    host_side = drafter == "ngram" or drafter.startswith("scripted:")
+    host_side = drafter in ("ngram", "ngram:acceptance") or drafter.startswith(
+        "scripted:"
+    )
     # Mamba prefix caching (align) needs chunked prefill (both lines refuse
     # it without)
     chunked = shape["cache_mode"] == "align" or rng.random() < 0.7
@@ -346,13 +354,16 @@ def model_len(cfg: FuzzConfig) -> int:
 
 
 def spec_override(cfg: FuzzConfig) -> dict | None:
-    if cfg.drafter in ("ngram", "ngram_gpu"):
-        return {
-            "method": cfg.drafter,
+    if cfg.drafter in ("ngram", "ngram_gpu", "ngram:acceptance"):
+        config = {
+            "method": cfg.drafter.split(":")[0],
             "num_speculative_tokens": cfg.k,
             "prompt_lookup_min": cfg.lookup_min,
             "prompt_lookup_max": cfg.lookup_max,
         }
+        if cfg.drafter == "ngram:acceptance":
+            config["draft_length_policy"] = "acceptance"
+        return config
     return None
 
 

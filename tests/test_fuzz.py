@@ -894,3 +894,24 @@ def test_regroup_writes_one_group_per_failure_with_its_seed(tmp_path):
     assert len(fuzz.regroup([run], ["s3-0", "s3-1"], tmp_path / "h")) == 2
     with pytest.raises(SystemExit, match="s3-9"):
         fuzz.regroup([run], ["s3-9"], tmp_path / "i")
+
+
+def test_acceptance_drafter_is_v1_only_and_asks_for_the_policy():
+    for model in fuzz.MODELS:
+        assert "ngram:acceptance" not in fuzz.drafters_for(model, "mrv2")
+        assert "ngram:acceptance" in fuzz.drafters_for(model, "v1")
+    cfg = fuzz.FuzzConfig(model="qwen3_5", drafter="ngram:acceptance", k=64)
+    assert fuzz.spec_override(cfg) == {
+        "method": "ngram",
+        "num_speculative_tokens": 64,
+        "prompt_lookup_min": cfg.lookup_min,
+        "prompt_lookup_max": cfg.lookup_max,
+        "draft_length_policy": "acceptance",
+    }
+    # an unpatched base does not know the key: refused, not a failure
+    refusal = (
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for "
+        "SpeculativeConfig\ndraft_length_policy\n  Unexpected keyword argument "
+        "[type=unexpected_keyword_argument, input_value='acceptance']"
+    )
+    assert fuzz.classify({"status": "rejected", "error": refusal}) == "refused"
