@@ -63,8 +63,11 @@ test-upstream:
 	  CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 VLLM_TARGET_DEVICE=empty \
 	  PYTHONPATH=$(abspath .) ../../$(VENV_PY) -m pytest -p no:cacheprovider -p hsfork.pytest_cpu_testbed $(UPSTREAM_TESTS) $(PYTEST_ARGS)
 
+# BUNDLE_ARGS: e.g. --requirement 'nvidia-cutlass-dsl[cu13]==4.8.0' (Kimi-Linear
+# on v0.33.0) or --include moe (docs/gpu-host.md)
+BUNDLE_ARGS ?=
 bundle: wheel
-	$(VENV_PY) -m hsfork bundle
+	$(VENV_PY) -m hsfork bundle $(BUNDLE_ARGS)
 
 # The torch/triton stack the line declares (v0.33.0: torch 2.14.0), pruned to
 # sm_$(KEEP_SM) and split into uploads for the air-gapped GPU hosts, which have

@@ -45,6 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--wheels", default=None, help="folder of dependency wheels to include (cp312)"
     )
+    p.add_argument(
+        "--requirement",
+        action="append",
+        default=[],
+        metavar="REQ",
+        help="carry this runtime requirement too, with its dependencies (e.g. "
+        "'nvidia-cutlass-dsl[cu13]==4.8.0': Kimi-Linear on v0.33.0); repeatable",
+    )
     p = sub.add_parser(
         "torch-bundle",
         help="pack the torch/triton stack the line declares for an air-gapped host",
@@ -141,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 part_size=args.part_size,
                 with_optional=args.with_optional or args.include,
                 wheels=args.wheels,
+                requirements=args.requirement,
             )
         elif args.cmd == "torch-bundle":
             from .stage_torch import make_torch_bundle, parse_keep_sm

@@ -193,6 +193,7 @@ def resolve_dependencies(
     dest: Path,
     host: dict[str, str | None] | None = None,
     report: dict | None = None,
+    carry: Collection[str] = (),
 ) -> list[Path]:
     """Download into ``dest`` the wheels the requirements need on a cp312
     host, walking dependencies breadth-first. Returns the wheels, one per
@@ -205,7 +206,10 @@ def resolve_dependencies(
     torch, triton and the CUDA libraries (``HOST_STACK``) are never carried:
     where the host's version does not meet a requirement it is listed in
     ``report["host_stack_unmet"]`` (``report["assumed"]`` lists host
-    packages of unknown version taken as they are).
+    packages of unknown version taken as they are). ``carry`` names projects
+    that are carried although their names look like the host stack's
+    (``nvidia-cutlass-dsl`` is no CUDA library of torch's), with every
+    dependency whose name extends one of them (``nvidia-cutlass-dsl-libs-*``).
 
     Why not pip's resolver (``pip install --dry-run --report`` with
     ``--platform``): it cannot treat the host's packages as installed, so it
@@ -240,7 +244,8 @@ def resolve_dependencies(
             if name == "vllm":
                 continue
             specs[name] = specs.get(name, SpecifierSet()) & req.specifier
-            if name in host or in_host_stack(name):
+            carried = any(name == c or name.startswith(c + "-") for c in carry)
+            if not carried and (name in host or in_host_stack(name)):
                 have_version = host.get(name)
                 ok = have_version is None or specs[name].contains(
                     have_version, prereleases=True
@@ -603,11 +608,15 @@ def make_bundle(
     with_optional: bool | Collection[str] = False,
     wheels: str | None = None,
     keep_sm: int | None = None,
+    requirements: Collection[str] = (),
 ) -> dict:
     """Bundle the selected line (``HSFORK_BASE``) for a host with torch
     2.11: its fork wheel from dist/, the dependency wheels it lacks, our repo.
     ``keep_sm`` (default: ``HSFORK_KEEP_SM``) prunes the GPU code of other
-    architectures from the compiled extensions."""
+    architectures from the compiled extensions. ``requirements``: more
+    runtime requirements to carry with their dependencies, beside
+    ``requirements/common.txt`` (e.g. ``nvidia-cutlass-dsl[cu13]==4.8.0``,
+    which v0.33.0's KDA kernels import: Kimi-Linear)."""
     pin = load_pin()
     version = fork_version(pin)
     keep_sm = keep_sm if keep_sm is not None else keep_sm_from_env()
@@ -633,8 +642,13 @@ def make_bundle(
         cache = REPO / ".cache" / "bundle-wheels" / pin.tag
         if cache.exists():
             shutil.rmtree(cache)
+        from pip._vendor.packaging.requirements import Requirement
+
         dep_wheels = resolve_dependencies(
-            runtime_requirements(fork_dir(pin)), cache, report=report
+            runtime_requirements(fork_dir(pin)) + list(requirements),
+            cache,
+            report=report,
+            carry={canonical(Requirement(r).name) for r in requirements},
         )
         info(f"{len(dep_wheels)} dependency wheel(s) the GPU host lacks")
         for line in report.get("host_stack_unmet", []):
@@ -651,6 +665,7 @@ def make_bundle(
         extra={
             "line": pin.line,
             "declares_torch": pin.torch,
+            "requirements": list(requirements),
             "resolution": report,
         },
     )
