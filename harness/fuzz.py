@@ -569,11 +569,39 @@ def run_group_here(
     return results
 
 
-def regroup(runs: list[Path], ids: list[str], out: Path) -> list[Path]:
+TWIN = "-twin"
+
+
+def twin(cfg: FuzzConfig) -> FuzzConfig:
+    """The configuration without speculation: the same engine (runner, token
+    budget, chunking, pool, graphs, scheduling, prompts), no drafter."""
+    return dataclasses.replace(cfg, drafter="none")
+
+
+def twin_verdict(res: dict[str, dict], cid: str) -> str:
+    """What a failure's non-speculative twin (``regroup --twin``) says: the
+    divergence comes from speculation (the twin matches the reference), or
+    from the configuration itself (the twin diverges too: batch shapes,
+    chunking or a bug without speculation)."""
+    t = res.get(cid + TWIN)
+    if t is None:
+        return "-"
+    if t["status"] == OK:
+        return "speculation (twin ok)"
+    if t["status"] == FAILED:
+        return "configuration (twin fails too)"
+    return f"twin {t['status']}"
+
+
+def regroup(
+    runs: list[Path], ids: list[str], out: Path, twins: bool = False
+) -> list[Path]:
     """One group file (``run-group``'s input) per configuration of ``runs``
     named in ``ids``, or per failure where ``ids`` is empty, with the seed it
     was drawn with: to run failures again alone (another stack, both
-    variants, their tracebacks kept) without drawing their groups again."""
+    variants, their tracebacks kept) without drawing their groups again.
+    ``twins``: each group also runs the configuration's non-speculative twin
+    (id ``<id>-twin``), against the same reference."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for run in runs:
@@ -584,8 +612,11 @@ def regroup(runs: list[Path], ids: list[str], out: Path) -> list[Path]:
             if not wanted:
                 continue
             path = out / f"{cid}.json"
-            path.write_text(json.dumps({"seed": seeds.get(cid, 0),
-                                        "items": [[cid, r["config"]]]}))  # fmt: skip
+            items = [[cid, r["config"]]]
+            if twins:
+                cfg = FuzzConfig.from_json(r["config"])
+                items.append([cid + TWIN, twin(cfg).to_json()])
+            path.write_text(json.dumps({"seed": seeds.get(cid, 0), "items": items}))
             written.append(path)
     missing = set(ids) - {p.stem for p in written}
     if missing:
@@ -978,8 +1009,9 @@ def report(directory: Path) -> str:
         if fails:
             lines += [
                 "| id | status | model | runner | drafter | k | seqs | budget | cache "
-                "| pool | graphs | async | prompts | first divergence / error |",
-                "|" + "---|" * 14,
+                "| pool | graphs | async | prompts | first divergence / error "
+                "| cause (non-spec twin) |",
+                "|" + "---|" * 15,
             ]
             for cid, r in fails:
                 c = r["config"]
@@ -992,7 +1024,8 @@ def report(directory: Path) -> str:
                     f"{c['budget'] if c['chunked'] else '-'} | {c['cache_mode']} | "
                     f"{pool} | "
                     f"{c['graphs']} | {c['async_sched']} | {c['n_prompts']}x"
-                    f"{PROMPT_BANDS[c['prompt_band']]} | {what} |"
+                    f"{PROMPT_BANDS[c['prompt_band']]} | {what} | "
+                    f"{twin_verdict(res, cid)} |"
                 )
             lines.append("")
         lines += lessons(res.values())
@@ -1073,7 +1106,8 @@ def side_by_side(directory: Path) -> list[str]:
 def lessons(results: Iterable[dict]) -> list[str]:
     """What the failures teach: the values every failure shares, and per
     dimension the values whose failure rate stands out."""
-    res = list(results)
+    # non-speculative twins (regroup --twin) are controls, not draws
+    res = [r for r in results if not str(r.get("id", "")).endswith(TWIN)]
     failed = [r["config"] for r in res if r["status"] == FAILED]
     if not failed:
         return ["No failures.", ""]
@@ -1157,6 +1191,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("runs", nargs="+", help="JSON-lines run files")
     p.add_argument("--ids", default="", help="ID[,ID...] (default: every failure)")
     p.add_argument("--out", required=True, help="folder for the group files")
+    p.add_argument(
+        "--twin",
+        action="store_true",
+        help="run each configuration's non-speculative twin in its group too",
+    )
     p = sub.add_parser("report", help="markdown summary of a fuzz directory")
     p.add_argument("dir")
     a = ap.parse_args(argv)
@@ -1190,7 +1229,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if a.cmd == "regroup":
         ids = [i for i in a.ids.split(",") if i]
-        for path in regroup([Path(r) for r in a.runs], ids, Path(a.out)):
+        for path in regroup([Path(r) for r in a.runs], ids, Path(a.out), a.twin):
             print(path)
         return
     if a.cmd == "run-group":

@@ -9,7 +9,7 @@
 #
 # Failures run again alone (another stack, both variants, tracebacks kept):
 #
-#   python -m harness.fuzz regroup RUN.jsonl... --out GROUP_DIR [--ids ID,...]
+#   python -m harness.fuzz regroup RUN.jsonl... --out GROUP_DIR [--ids ID,...] [--twin]
 #   bash harness/gpu_fuzz.sh rerun "fork upstream" GROUP_DIR DEADLINE_S
 #
 # Shrinking a failure is a second phase, one variant, resumable across calls

@@ -915,3 +915,50 @@ def test_acceptance_drafter_is_v1_only_and_asks_for_the_policy():
         "[type=unexpected_keyword_argument, input_value='acceptance']"
     )
     assert fuzz.classify({"status": "rejected", "error": refusal}) == "refused"
+
+
+def test_regroup_twin_runs_the_configuration_without_speculation(tmp_path):
+    """A failure's non-speculative twin (same engine configuration, no
+    drafter) runs in its group against the same reference; the report says
+    whether speculation or the configuration itself diverges."""
+    run = tmp_path / "fork-s20.jsonl"
+    a = FuzzConfig("qwen3_next", "ngram_gpu", 4, chunked=True, budget=32,
+                   cache_mode="align", graphs="full_and_piecewise")  # fmt: skip
+    b = FuzzConfig("qwen3_5", "ngram_gpu", 2, chunked=True, budget=24)
+    for cid, c in (("s20-3", a), ("s20-4", b)):
+        fuzz.append(run, {"event": "start", "id": cid, "config": c.to_json(),
+                          "seed": 20})  # fmt: skip
+        fuzz.append(run, {"event": "result", "id": cid, "config": c.to_json(),
+                          "status": "failed"})  # fmt: skip
+    paths = fuzz.regroup([run], [], tmp_path / "g", twins=True)
+    g = json.loads(paths[0].read_text())
+    (cid, cfg), (tid, tcfg) = g["items"]
+    assert tid == cid + fuzz.TWIN
+    t = FuzzConfig.from_json(tcfg)
+    assert t.drafter == "none"
+    assert dataclasses.replace(t, drafter=a.drafter) == FuzzConfig.from_json(cfg)
+    cell, twin_cell = fuzz.to_cell(FuzzConfig.from_json(cfg)), fuzz.to_cell(t)
+    assert "speculative_config" not in twin_cell.extra
+    assert {k: v for k, v in cell.extra.items() if k != "speculative_config"} == (
+        twin_cell.extra
+    )
+    # the rerun's results: one twin matches the reference, one does not
+    rerun = tmp_path / "out" / "fork-s20.jsonl"
+    rerun.parent.mkdir()
+    for cid, c, status in (
+        ("s20-3", a, "failed"),
+        ("s20-3" + fuzz.TWIN, fuzz.twin(a), "ok"),
+        ("s20-4", b, "failed"),
+        ("s20-4" + fuzz.TWIN, fuzz.twin(b), "failed"),
+    ):
+        fuzz.append(rerun, {"event": "result", "id": cid, "config": c.to_json(),
+                            "status": status})  # fmt: skip
+    res = fuzz.outcomes(fuzz.read_lines(rerun))
+    assert fuzz.twin_verdict(res, "s20-3") == "speculation (twin ok)"
+    assert fuzz.twin_verdict(res, "s20-4") == "configuration (twin fails too)"
+    text = fuzz.report(rerun.parent)
+    assert "| speculation (twin ok) |" in text
+    assert "| configuration (twin fails too) |" in text
+    # twins are controls: the lessons count the two drawn failures only (a
+    # failed twin, drafter "none", would break what they share)
+    assert "'drafter': 'ngram_gpu'" in fuzz.lessons(res.values())[0]
