@@ -42,6 +42,7 @@ FASTAPPLY = "fastapply"
 # attention-only draft model; eagle3: an EAGLE-3 head)
 DRAFTER_DIR = "<written beside the cell's model>"
 FASTAPPLY_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "fastapply"
+FP8 = "fp8"  # Cell.dtype of a block-FP8 checkpoint (harness.fp8)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -153,7 +154,9 @@ def cell_prompts(
 def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
     kw: dict = {
         "model": model_dir,
-        "dtype": cell.dtype,
+        # "fp8": the block-FP8 copy of the model (harness.fp8), computing in
+        # bf16 as a published FP8 checkpoint does
+        "dtype": "bfloat16" if cell.dtype == FP8 else cell.dtype,
         "seed": 0,
         "max_model_len": 2048,
         # several slices may share one GPU (one process each)
@@ -582,6 +585,15 @@ def run_cells(
                     )
                 )
             model_dir = models[cell.model]
+            if cell.dtype == FP8:
+                key = f"{cell.model}:{FP8}"
+                if key not in models:
+                    from .fp8 import write_fp8
+
+                    out = workdir / f"model-{cell.model}-{FP8}"
+                    write_fp8(Path(model_dir), out)
+                    models[key] = str(out)
+                model_dir = models[key]
             write_drafter(cell, model_dir, seed)
             n = cell.prompts[0] if cell.prompts else max(n_prompts, cell.batch)
             two_waves = cell.cache_mode == "align"
@@ -844,6 +856,29 @@ def slice_cells(name: str) -> list[Cell]:
         # (harness.sampled.cells): drift oracle and support check
         part = name.removeprefix("sampled").lstrip("-") or "all"
         return [Cell(**kw) for kw in sampled.cells(part)]
+    if name == "fp8":
+        # the fast-apply fixture as a block-FP8 checkpoint (harness.fp8: the
+        # layout of published FP8 Qwen3.5 checkpoints; the MTP head in FP8
+        # too); the reference is the same FP8 model without speculation
+        fa = FASTAPPLY
+        return [
+            Cell(fa, "ngram", 64, 8, "v1", dtype=FP8, max_tokens=128),
+            Cell(fa, "ngram", 64, 16, "default", "align", dtype=FP8, max_tokens=128),
+            Cell(fa, "mtp", 3, 8, "v1", dtype=FP8, max_tokens=128),
+            Cell(
+                fa,
+                "mtp",
+                3,
+                16,
+                "default",
+                "align",
+                "full_and_piecewise",
+                async_sched=True,
+                dtype=FP8,
+                max_tokens=128,
+            ),  # fmt: skip
+            Cell(fa, "mtp", 3, 8, "mrv2", chunked=True, dtype=FP8, max_tokens=128),
+        ]
     if name == "draft-length":
         # per-request n-gram draft lengths (draft_length_policy="acceptance"):
         # lengths change per request and per step, down to zero drafts, next

@@ -56,7 +56,12 @@ TOPK = 5
 # false-alarm probability per cell under the tail model (module docstring)
 ALPHA = 1e-3
 # one unit of relative precision per dtype (machine epsilon of the mantissa)
-EPS = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-23}
+EPS = {
+    "bfloat16": 2.0**-8,
+    "float16": 2.0**-11,
+    "float32": 2.0**-23,
+    "fp8": 2.0**-8,  # a block-FP8 checkpoint computes in bf16 (harness.fp8)
+}
 
 LP = dict[int, float]
 # HSFORK_DRIFT=report records drift violations without failing the cell

@@ -408,6 +408,12 @@ def _check(path: str, arch: str, dtype: str, init) -> dict:
         cls, _ = ModelRegistry.resolve_model_cls(
             [arch], spec.draft_model_config if spec else mc
         )
+        if vc.quant_config is not None:
+            # as vLLM's initialize_model does: the model's name mapping and
+            # fused modules reach the quantization config (its ignore list)
+            from vllm.model_executor.model_loader.utils import configure_quant_config
+
+            configure_quant_config(vc.quant_config, cls)
         with torch.device("cpu"):
             model = cls(vllm_config=vc, prefix="")
         params = dict(model.named_parameters())
