@@ -672,7 +672,9 @@ def run_cells(
             seqs += list(zip(prompts, cands, strict=True))
             owners += [("cell", j, i) for i in range(len(prompts))]
         try:
-            forced = teacher_forced(model, dtype, models[model], seqs, kv)
+            # an fp8 cell's reference and candidates ran on the FP8 copy
+            model_dir = models[f"{model}:{FP8}"] if dtype == FP8 else models[model]
+            forced = teacher_forced(model, dtype, model_dir, seqs, kv)
         except Exception as e:  # noqa: BLE001
             for row, *_ in items:
                 _error_row(row, e)

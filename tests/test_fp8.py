@@ -140,3 +140,41 @@ def test_fp8_slice_runs_the_fp8_copy_against_its_own_reference():
         kw = engine_kwargs(cell, "/m-fp8", spec_config(cell))
         assert kw["dtype"] == "bfloat16"
     assert FP8 in compare.TIE_MARGIN and FP8 in oracle.EPS
+
+
+def test_run_cells_runs_and_verifies_fp8_cells_on_the_fp8_copy(tmp_path, monkeypatch):
+    """An fp8 cell's reference, candidate and teacher-forced verification
+    all run on the FP8 copy (never the bf16 fixture), at bf16 activations."""
+    import harness.equivalence as eq
+    from harness.compare import Position
+
+    seen: list[tuple[str, str]] = []
+
+    class LP:
+        def __init__(self, v):
+            self.logprob = v
+
+    class Out:
+        def __init__(self, toks, logprobs):
+            lps = [{t: LP(-0.1), t + 1: LP(-3.0)} for t in toks] if logprobs else None
+            self.outputs = [type("C", (), {"token_ids": toks, "logprobs": lps})()]
+            self.prompt_logprobs = None
+
+    def fake_generate(cell, model_dir, waves, logprobs, batches=None):
+        seen.append(("generate", model_dir))
+        kw = eq.engine_kwargs(cell, model_dir, eq.spec_config(cell))
+        assert kw["dtype"] == "bfloat16"
+        return [Out([1, 2, 3], logprobs) for w in waves for _ in w], {}
+
+    def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto"):
+        seen.append(("forced", model_dir))
+        return [[Position(t, 0, 3.0) for t in c] for _, c in seqs]
+
+    monkeypatch.setattr(eq, "generate", fake_generate)
+    monkeypatch.setattr(eq, "teacher_forced", fake_forced)
+    cell = eq.Cell(eq.FASTAPPLY, "ngram", 8, 2, dtype=eq.FP8, max_tokens=3)
+    (row,) = eq.run_cells([cell], tmp_path, n_prompts=2, seed=0)
+    assert row["status"] == "ok", row.get("error")
+    dirs = {d for _, d in seen}
+    assert dirs == {str(tmp_path / f"model-{eq.FASTAPPLY}-{eq.FP8}")}
+    assert {what for what, _ in seen} == {"generate", "forced"}
