@@ -85,6 +85,10 @@ class Cell:
     # (number, seed, shortest, longest) of the cell's own prompt draw
     # (harness.fuzz); None: run_cells' prompt count and seed, 24..200 tokens
     prompts: tuple[int, int, int, int] | None = None
+    # request features beyond greedy decoding, the same for the reference
+    # (REQUESTS): "plain", or "stop" (stop token ids that end answers early,
+    # often inside an accepted run)
+    request: str = "plain"
 
     def key(self) -> dict:
         key = {
@@ -107,6 +111,8 @@ class Cell:
             key["sampling"] = self.sampling
         if self.prompts is not None:
             key["prompts"] = list(self.prompts)
+        if self.request != "plain":
+            key["request"] = self.request
         return key
 
 
@@ -134,6 +140,22 @@ def make_prompts(
                 toks += s
         prompts.append(toks[:length])
     return prompts
+
+
+# token ids that stop a "stop" cell's requests: about one in 60 output tokens,
+# so most answers end early, inside a run of copied (accepted) tokens. The
+# fast-apply fixture: token 16 is 1.5 % of its held-out answers; the
+# random-weight fixtures: three ids of 256.
+STOP_IDS = {FASTAPPLY: (16,), "default": (7, 77, 177)}
+
+
+def request_kwargs(cell: Cell) -> dict:
+    """SamplingParams keywords of a cell's request features."""
+    if cell.request == "plain":
+        return {}
+    if cell.request == "stop":
+        return {"stop_token_ids": list(STOP_IDS.get(cell.model, STOP_IDS["default"]))}
+    raise ValueError(f"unknown request features {cell.request!r}")
 
 
 def cell_prompts(
@@ -402,6 +424,7 @@ def generate(cell: Cell, model_dir: str, waves, logprobs: int | None,
     try:
         sp = SamplingParams(
             **sampled.sampling_kwargs(cell.sampling),  # greedy: temperature 0
+            **request_kwargs(cell),
             max_tokens=cell.max_tokens,
             # the fast-apply fixture's answers end at EOS
             ignore_eos=cell.model != FASTAPPLY,
@@ -598,11 +621,12 @@ def run_cells(
             n = cell.prompts[0] if cell.prompts else max(n_prompts, cell.batch)
             two_waves = cell.cache_mode == "align"
             rkey = (cell.model, cell.dtype, n, cell.max_tokens, two_waves,
-                    cell.kv_cache_dtype, cell.prompts)  # fmt: skip
+                    cell.kv_cache_dtype, cell.prompts, cell.request)  # fmt: skip
             if rkey not in refs:
                 ref_cell = Cell(cell.model, "none", 0, n, dtype=cell.dtype,
                                 max_tokens=cell.max_tokens,
-                                kv_cache_dtype=cell.kv_cache_dtype)  # fmt: skip
+                                kv_cache_dtype=cell.kv_cache_dtype,
+                                request=cell.request)  # fmt: skip
                 if cell.prompts:  # (n, seed, shortest, longest)
                     _, pseed, lo, hi = cell.prompts
                     waves = [cell_prompts(cell.model, n, pseed, (lo, hi))]
@@ -858,6 +882,31 @@ def slice_cells(name: str) -> list[Cell]:
         # (harness.sampled.cells): drift oracle and support check
         part = name.removeprefix("sampled").lstrip("-") or "all"
         return [Cell(**kw) for kw in sampled.cells(part)]
+    if name == "requests":
+        # stop token ids that end answers inside accepted runs (the scheduler
+        # truncates a verified run at the stop), none and align mode (the
+        # second wave continues the stopped answers), both runners
+        fa, mt = FASTAPPLY, 128
+        return [
+            Cell(fa, "ngram", 64, 8, "v1", request="stop", max_tokens=mt),
+            Cell(
+                fa, "ngram", 64, 16, "default", "align", request="stop", max_tokens=mt
+            ),
+            Cell(fa, "mtp", 3, 8, "v1", "align", request="stop", max_tokens=mt),
+            Cell(
+                fa,
+                "mtp",
+                3,
+                8,
+                "mrv2",
+                "align",
+                async_sched=True,
+                request="stop",
+                max_tokens=mt,
+            ),  # fmt: skip
+            Cell("qwen3_5", "scripted:all_accept", 4, 8, "v1", "align", request="stop"),
+            Cell("nemotron_h", "scripted:all_accept", 4, 8, "mrv2", request="stop"),
+        ]
     if name == "fp8":
         # the fast-apply fixture as a block-FP8 checkpoint (harness.fp8: the
         # layout of published FP8 Qwen3.5 checkpoints; the MTP head in FP8

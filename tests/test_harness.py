@@ -941,3 +941,54 @@ def test_every_variant_process_gets_its_own_compile_cache():
         "VLLM_CACHE_ROOT=/tmp/vllm-cache/fork PYTHONPATH=/pre:/repo:/sites/fork",
         "/tmp/vllm-cache/upstream /repo:/sites/upstream",
     ]
+
+
+def test_stop_cells_share_their_stop_ids_with_their_own_reference(
+    tmp_path, monkeypatch
+):
+    """A "stop" cell's requests and its non-speculative reference stop at
+    the same token ids; a plain cell of the same shape has its own
+    reference."""
+    import harness.equivalence as eq
+
+    seen = []
+
+    class LP:
+        def __init__(self, v):
+            self.logprob = v
+
+    class Out:
+        def __init__(self, toks, logprobs):
+            lps = [{t: LP(-0.1), t + 1: LP(-3.0)} for t in toks] if logprobs else None
+            self.outputs = [type("C", (), {"token_ids": toks, "logprobs": lps})()]
+
+    def fake_generate(cell, model_dir, waves, logprobs, batches=None):
+        seen.append((cell.drafter, eq.request_kwargs(cell)))
+        return [Out([1, 2, 3], logprobs) for w in waves for _ in w], {}
+
+    def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto"):
+        return [[Position(t, 0, 3.0) for t in c] for _, c in seqs]
+
+    monkeypatch.setattr(eq, "generate", fake_generate)
+    monkeypatch.setattr(eq, "teacher_forced", fake_forced)
+    monkeypatch.setattr(
+        "harness.models.write_model", lambda kind, out, seed=0: str(out)
+    )
+    cells = [
+        eq.Cell("qwen3_5", "ngram", 8, 2, request="stop", max_tokens=3),
+        eq.Cell("qwen3_5", "ngram", 8, 2, max_tokens=3),
+    ]
+    rows = eq.run_cells(cells, tmp_path, n_prompts=2, seed=0)
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    stop = {"stop_token_ids": list(eq.STOP_IDS["default"])}
+    refs = [kw for drafter, kw in seen if drafter == "none"]
+    # one reference per request shape, each with its cell's request features
+    assert sorted(map(str, refs)) == sorted(map(str, [stop, {}]))
+    assert ("ngram", stop) in seen and ("ngram", {}) in seen
+    assert rows[0]["request"] == "stop" and "request" not in rows[1]
+    assert eq.request_kwargs(eq.Cell(eq.FASTAPPLY, "mtp", 3, 8, request="stop")) == {
+        "stop_token_ids": [16]
+    }
+    with pytest.raises(ValueError):
+        eq.request_kwargs(eq.Cell("qwen3_5", "mtp", 3, 8, request="json"))
+    assert {c.request for c in eq.slice_cells("requests")} == {"stop"}
