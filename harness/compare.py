@@ -143,6 +143,47 @@ def noise(generated: Sequence[Position], forced: Sequence[Position]) -> float:
     return worst
 
 
+def verify_run(
+    reference: Sequence[Position],
+    ref_tokens: Sequence[int],
+    candidate: Sequence[int],
+    tie_margin: float,
+) -> Verification:
+    """Judge a candidate against the reference *run* of the same constrained
+    requests (structured output: the grammar masks the logits, which a
+    teacher-forced reference does not see). Token by token up to the first
+    difference, whose margin is the reference run's own logprob gap between
+    its token and the candidate's (its returned top-k, after the mask; a
+    candidate outside the top-k is at least as far as the last of them).
+    Later positions have another context and are not judged."""
+    n = min(len(ref_tokens), len(candidate))
+    for i in range(n):
+        if ref_tokens[i] == candidate[i]:
+            continue
+        lps = reference[i].logprobs or {}
+        top = lps.get(ref_tokens[i])
+        if top is None:
+            margin = reference[i].gap
+        elif candidate[i] in lps:
+            margin = top - lps[candidate[i]]
+        else:
+            margin = top - min(lps.values())
+        if margin < tie_margin:
+            return Verification(i + 1, 0, 1, None)
+        first = {"position": i, "margin": margin, "expected": ref_tokens[i],
+                 "got": candidate[i]}  # fmt: skip
+        return Verification(i + 1, 1, 0, first, margin, (margin,))
+    if len(candidate) != len(ref_tokens):
+        first = {
+            "position": n,
+            "margin": None,
+            "expected": f"{len(ref_tokens)} tokens",
+            "got": len(candidate),
+        }
+        return Verification(n, 1, 0, first)
+    return Verification(n, 0, 0, None)
+
+
 @dataclass
 class CellSummary:
     prompts: int = 0

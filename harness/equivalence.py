@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import compat, oracle, sampled
-from .compare import TIE_MARGIN, CellSummary, Position, noise, verify
+from .compare import TIE_MARGIN, CellSummary, Position, noise, verify, verify_run
 from .drafter import LOG_ENV, SCRIPT_ENV
 from .fastapply_task import make_eval_set
 from .models import FIRST_SPECIAL_ID, VOCAB
@@ -149,12 +149,28 @@ def make_prompts(
 STOP_IDS = {FASTAPPLY: (16,), "default": (7, 77, 177)}
 
 
+# "regex" cells: structured output that admits only the words t0..t127 (the
+# fixtures' word-level tokenizers: token i is "t<i>"), so the grammar
+# rejects drafts of ids 128 and above, often inside an accepted run; end of
+# sequence stays allowed after the first token
+REGEX = r"(t([0-9]|[1-9][0-9]|1[01][0-9]|12[0-7]))+"
+
+
+def constrained(request: str) -> bool:
+    """Whether a request's outputs are masked by a grammar."""
+    return request == "regex"
+
+
 def request_kwargs(cell: Cell) -> dict:
     """SamplingParams keywords of a cell's request features."""
     if cell.request == "plain":
         return {}
     if cell.request == "stop":
         return {"stop_token_ids": list(STOP_IDS.get(cell.model, STOP_IDS["default"]))}
+    if cell.request == "regex":
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return {"structured_outputs": StructuredOutputsParams(regex=REGEX)}
     raise ValueError(f"unknown request features {cell.request!r}")
 
 
@@ -685,7 +701,14 @@ def run_cells(
     for (model, dtype, kv), items in pending.items():
         seqs, owners = [], []
         for rkey, (_ref_pos, ref_tokens, waves) in refs.items():
-            if rkey[:2] == (model, dtype) and rkey[5] == kv:
+            # a grammar-constrained reference is judged by its own run, not
+            # teacher-forced (prompt logprobs do not see the grammar's mask):
+            # it takes no part in the noise and the drift floor
+            if (
+                rkey[:2] == (model, dtype)
+                and rkey[5] == kv
+                and not constrained(rkey[7])
+            ):
                 prompts = [p for w in waves for p in w]
                 seqs += list(zip(prompts, ref_tokens, strict=True))
                 owners += [("ref", rkey, i) for i in range(len(prompts))]
@@ -723,6 +746,12 @@ def run_cells(
                 floor.add(floors[key][0][i], forced_lps, cand)
             elif kind == "cell":
                 row = items[key][0]
+                rkey = items[key][3]
+                if constrained(rkey[7]):
+                    # the reference run under the same grammar, token by token
+                    v = verify_run(refs[rkey][0][i], refs[rkey][1][i], cand, margin)
+                    summaries[key].add_verification(i, v)
+                    continue
                 drifts[key].add(i, cand_lps[id(row)][i], forced_lps, cand)
                 if row.get("sampling"):
                     v = sampled.verify_support(pos, cand, row["sampling"], margin)
@@ -885,7 +914,8 @@ def slice_cells(name: str) -> list[Cell]:
     if name == "requests":
         # stop token ids that end answers inside accepted runs (the scheduler
         # truncates a verified run at the stop), none and align mode (the
-        # second wave continues the stopped answers), both runners
+        # second wave continues the stopped answers), both runners; and
+        # structured output (a regex)
         fa, mt = FASTAPPLY, 128
         return [
             Cell(fa, "ngram", 64, 8, "v1", request="stop", max_tokens=mt),
@@ -906,6 +936,21 @@ def slice_cells(name: str) -> list[Cell]:
             ),  # fmt: skip
             Cell("qwen3_5", "scripted:all_accept", 4, 8, "v1", "align", request="stop"),
             Cell("nemotron_h", "scripted:all_accept", 4, 8, "mrv2", request="stop"),
+            # structured output: the grammar rejects drafts (ids >= 128) the
+            # scheduler pads out, often inside an accepted run
+            Cell(fa, "ngram", 64, 8, "v1", request="regex", max_tokens=mt),
+            Cell(fa, "mtp", 3, 8, "v1", "align", request="regex", max_tokens=mt),
+            Cell(
+                fa,
+                "mtp",
+                3,
+                8,
+                "mrv2",
+                async_sched=True,
+                request="regex",
+                max_tokens=mt,
+            ),  # fmt: skip
+            Cell("qwen3_5", "scripted:all_accept", 4, 8, "v1", request="regex"),
         ]
     if name == "fp8":
         # the fast-apply fixture as a block-FP8 checkpoint (harness.fp8: the

@@ -991,4 +991,99 @@ def test_stop_cells_share_their_stop_ids_with_their_own_reference(
     }
     with pytest.raises(ValueError):
         eq.request_kwargs(eq.Cell("qwen3_5", "mtp", 3, 8, request="json"))
-    assert {c.request for c in eq.slice_cells("requests")} == {"stop"}
+    assert {c.request for c in eq.slice_cells("requests")} == {"stop", "regex"}
+
+
+def test_verify_run_judges_a_constrained_candidate_by_the_reference_run():
+    from harness.compare import verify_run
+
+    lps = [{5: -0.1, 6: -0.12, 7: -4.0}, {8: -0.1, 9: -5.0, 10: -6.0}]
+    ref = [Position.from_logprobs(t, lp) for t, lp in zip((5, 8), lps, strict=True)]
+    assert verify_run(ref, [5, 8], [5, 8], 0.05).status == "match"
+    # 6 is within the tie margin of the reference's 5: a tie, not judged on
+    assert verify_run(ref, [5, 8], [6, 1], 0.05).status == "tie"
+    v = verify_run(ref, [5, 8], [5, 9], 0.05)
+    assert v.status == "diverged" and v.first["margin"] == pytest.approx(4.9)
+    # a token outside the reference's top-k is at least as far as the last
+    assert verify_run(ref, [5, 8], [5, 99], 0.05).max_margin == pytest.approx(5.9)
+    assert verify_run(ref, [5, 8], [5], 0.05).first["expected"] == "2 tokens"
+
+
+def test_regex_cells_are_judged_by_their_own_reference_run(tmp_path, monkeypatch):
+    """A regex (structured output) cell is compared with the reference run
+    under the same grammar; that reference, whose teacher-forced logprobs do
+    not see the grammar, widens neither the tie margin nor the drift floor of
+    the plain cells beside it."""
+    import harness.equivalence as eq
+
+    class LP:
+        def __init__(self, v):
+            self.logprob = v
+
+    class Out:
+        def __init__(self, toks, logprobs):
+            lps = [{t: LP(-0.1), t + 1: LP(-6.0)} for t in toks] if logprobs else None
+            self.outputs = [type("C", (), {"token_ids": toks, "logprobs": lps})()]
+
+    def fake_generate(cell, model_dir, waves, logprobs, batches=None):
+        # under the grammar the masked greedy choice is another token
+        toks = [100, 101, 102] if cell.request == "regex" else [10, 11, 12]
+        if cell.drafter == "mtp":
+            toks = [100, 103, 102]  # the "bug": a masked-greedy token changed
+        return [Out(list(toks), logprobs) for w in waves for _ in w], {}
+
+    def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto"):
+        # unmasked teacher forcing prefers token 200, which the grammar masks
+        return [
+            [
+                Position.top(
+                    {200: -0.1, t: -9.0} if t >= 100 else {t: -0.1, 1: -3.0},
+                    candidate=t,
+                )
+                for t in c
+            ]
+            for _, c in seqs
+        ]
+
+    monkeypatch.setattr(eq, "generate", fake_generate)
+    monkeypatch.setattr(eq, "teacher_forced", fake_forced)
+    monkeypatch.setattr(
+        "harness.models.write_model", lambda kind, out, seed=0: str(out)
+    )
+    cells = [
+        eq.Cell("qwen3_5", "ngram", 8, 2, request="regex", max_tokens=3),
+        eq.Cell("qwen3_5", "mtp", 3, 2, request="regex", max_tokens=3),
+        eq.Cell("qwen3_5", "ngram", 8, 2, max_tokens=3),
+    ]
+    rows = eq.run_cells(cells, tmp_path, n_prompts=2, seed=0)
+    assert [r["status"] for r in rows] == ["ok", "diverged", "ok"]
+    assert rows[1]["first_divergence"]["position"] == 1
+    assert rows[1]["first_divergence"]["margin"] == pytest.approx(5.9)
+    assert rows[0]["drift_positions"] == 0  # no drift oracle under a grammar
+    # the plain cell's margin and drift floor come from the plain reference
+    assert rows[2]["tie_margin"] == pytest.approx(0.05)
+    assert rows[2]["drift_floor"] < 1.0
+
+
+def test_the_regex_admits_exactly_the_low_half_of_the_fixture_vocabulary():
+    """The "regex" request features, compiled by xgrammar (vLLM's default
+    structured-output backend) over the fixtures' word-level tokenizer:
+    ids 0..127 first, then also end of sequence."""
+    xgr = pytest.importorskip("xgrammar")
+    from transformers import AutoTokenizer
+
+    from harness.equivalence import FASTAPPLY_DIR, REGEX
+
+    tok = AutoTokenizer.from_pretrained(FASTAPPLY_DIR)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=256)
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_regex(REGEX))
+    mask = xgr.allocate_token_bitmask(1, 256)
+
+    def allowed():
+        matcher.fill_next_token_bitmask(mask)
+        return {i for i in range(256) if (int(mask[0, i // 32]) >> (i % 32)) & 1}
+
+    assert allowed() == set(range(128))
+    assert matcher.accept_token(100)
+    assert allowed() == set(range(128)) | {tok.eos_token_id}
+    assert not matcher.accept_token(200)
