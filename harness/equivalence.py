@@ -85,6 +85,10 @@ class Cell:
     # (number, seed, shortest, longest) of the cell's own prompt draw
     # (harness.fuzz); None: run_cells' prompt count and seed, 24..200 tokens
     prompts: tuple[int, int, int, int] | None = None
+    # waves of requests in one engine in align mode: each later wave
+    # continues the one before (a turn of a conversation), hitting the prefix
+    # cache on blocks written while that wave speculated
+    turns: int = 2
     # request features beyond greedy decoding, the same for the reference
     # (REQUESTS): "plain", or "stop" (stop token ids that end answers early,
     # often inside an accepted run)
@@ -113,6 +117,8 @@ class Cell:
             key["prompts"] = list(self.prompts)
         if self.request != "plain":
             key["request"] = self.request
+        if self.turns != 2:
+            key["turns"] = self.turns
         return key
 
 
@@ -488,7 +494,12 @@ def teacher_forced(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    cell = Cell(model, "none", 0, len(seqs), dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    longest = max((len(p) + len(c) for p, c in seqs), default=0)
+    extra = {}
+    if longest + 1 > 2048:  # engine_kwargs' default
+        extra["max_model_len"] = -(-(longest + 1) // 16) * 16
+    cell = Cell(model, "none", 0, len(seqs), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                extra=extra)  # fmt: skip
     llm = _engine(cell, model_dir)
     try:
         # top-k (harness.oracle.TOPK) for the drift oracle; top-2 for verify
@@ -636,13 +647,17 @@ def run_cells(
             write_drafter(cell, model_dir, seed)
             n = cell.prompts[0] if cell.prompts else max(n_prompts, cell.batch)
             two_waves = cell.cache_mode == "align"
+            n_waves = cell.turns if two_waves else 1
             rkey = (cell.model, cell.dtype, n, cell.max_tokens, two_waves,
-                    cell.kv_cache_dtype, cell.prompts, cell.request)  # fmt: skip
+                    cell.kv_cache_dtype, cell.prompts, cell.request,
+                    n_waves)  # fmt: skip
             if rkey not in refs:
+                # long-prompt cells: the reference takes the same lengths
+                lengths = {k: v for k, v in cell.extra.items() if k == "max_model_len"}
                 ref_cell = Cell(cell.model, "none", 0, n, dtype=cell.dtype,
                                 max_tokens=cell.max_tokens,
                                 kv_cache_dtype=cell.kv_cache_dtype,
-                                request=cell.request)  # fmt: skip
+                                request=cell.request, extra=lengths)  # fmt: skip
                 if cell.prompts:  # (n, seed, shortest, longest)
                     _, pseed, lo, hi = cell.prompts
                     waves = [cell_prompts(cell.model, n, pseed, (lo, hi))]
@@ -652,14 +667,15 @@ def run_cells(
                 # same engine: the drift oracle's noise floor (fouts)
                 outs, fouts = oracle.with_floor(generate, ref_cell, model_dir,
                                                 waves[0], n)  # fmt: skip
-                if two_waves:
-                    toks = [list(o.outputs[0].token_ids) for o in outs]
+                last = outs
+                for turn in range(1, n_waves):
+                    toks = [list(o.outputs[0].token_ids) for o in last]
                     # fast-apply: the answer so far, in distribution
                     tail = 0 if cell.model == FASTAPPLY else 4
-                    waves.append(second_wave(waves[0], toks, seed, tail))
-                    o2, f2 = oracle.with_floor(generate, ref_cell, model_dir,
-                                               waves[1], n)  # fmt: skip
-                    outs, fouts = outs + o2, fouts + f2
+                    waves.append(second_wave(waves[-1], toks, seed + turn - 1, tail))
+                    last, f2 = oracle.with_floor(generate, ref_cell, model_dir,
+                                                 waves[-1], n)  # fmt: skip
+                    outs, fouts = outs + last, fouts + f2
                 refs[rkey] = (
                     reference_positions(outs),
                     [list(o.outputs[0].token_ids) for o in outs],
@@ -951,6 +967,44 @@ def slice_cells(name: str) -> list[Cell]:
                 max_tokens=mt,
             ),  # fmt: skip
             Cell("qwen3_5", "scripted:all_accept", 4, 8, "v1", request="regex"),
+        ]
+    if name == "multi-turn":
+        # conversations of four turns in align mode, each turn continuing the
+        # previous answer and hitting blocks written while it speculated;
+        # and long prompts (about 6-7k tokens, many blocks, chunked prefill)
+        fa, mt, r2 = FASTAPPLY, 96, "mrv2"
+        long = {"max_model_len": 8192, "enable_chunked_prefill": True,
+                "max_num_batched_tokens": 512}  # fmt: skip
+        return [
+            Cell(fa, "mtp", 3, 8, "v1", "align", turns=4, max_tokens=mt),
+            Cell(
+                fa, "mtp", 3, 8, r2, "align", async_sched=True, turns=4, max_tokens=mt
+            ),
+            Cell(fa, "ngram", 64, 8, "default", "align", turns=4, max_tokens=mt),
+            Cell("qwen3_5", "scripted:boundary", 4, 8, "v1", "align", turns=4),
+            Cell("nemotron_h", "scripted:heterogeneous", 4, 8, r2, "align", turns=4),
+            Cell(
+                "qwen3_5",
+                "mtp",
+                3,
+                4,
+                "v1",
+                "align",
+                extra=long,
+                prompts=(4, 7, 6000, 7000),
+                max_tokens=64,
+            ),  # fmt: skip
+            Cell(
+                "qwen3_5",
+                "mtp",
+                3,
+                4,
+                r2,
+                "align",
+                extra=long,
+                prompts=(4, 7, 6000, 7000),
+                max_tokens=64,
+            ),  # fmt: skip
         ]
     if name == "fp8":
         # the fast-apply fixture as a block-FP8 checkpoint (harness.fp8: the

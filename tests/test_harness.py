@@ -1087,3 +1087,71 @@ def test_the_regex_admits_exactly_the_low_half_of_the_fixture_vocabulary():
     assert matcher.accept_token(100)
     assert allowed() == set(range(128)) | {tok.eos_token_id}
     assert not matcher.accept_token(200)
+
+
+def test_multi_turn_cells_continue_each_previous_wave(tmp_path, monkeypatch):
+    """turns=4 in align mode: the reference runs four waves, each wave's
+    prompts the previous wave's prompts, three quarters of its answers and
+    fresh tokens; the candidate gets the same four waves in one engine."""
+    import harness.equivalence as eq
+
+    class LP:
+        def __init__(self, v):
+            self.logprob = v
+
+    class Out:
+        def __init__(self, toks, logprobs):
+            lps = [{t: LP(-0.1), t + 1: LP(-6.0)} for t in toks] if logprobs else None
+            self.outputs = [type("C", (), {"token_ids": toks, "logprobs": lps})()]
+
+    calls = []
+
+    def fake_generate(cell, model_dir, waves, logprobs, batches=None):
+        calls.append((cell.drafter, [len(w) for w in waves], waves))
+        return [Out([3, 4, 5, 6], logprobs) for w in waves for _ in w], {}
+
+    def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto"):
+        return [[Position(t, 0, 3.0) for t in c] for _, c in seqs]
+
+    monkeypatch.setattr(eq, "generate", fake_generate)
+    monkeypatch.setattr(eq, "teacher_forced", fake_forced)
+    monkeypatch.setattr(
+        "harness.models.write_model", lambda kind, out, seed=0: str(out)
+    )
+    cell = eq.Cell("qwen3_5", "mtp", 3, 2, cache_mode="align", turns=4, max_tokens=4)
+    (row,) = eq.run_cells([cell], tmp_path, n_prompts=2, seed=0)
+    assert row["status"] == "ok" and row["turns"] == 4
+    refs = [w for d, _, w in calls if d == "none"]
+    (cand,) = [w for d, _, w in calls if d == "mtp"]
+    assert len(refs) == 4 and len(cand) == 4
+    for turn in range(1, 4):
+        for prev, now in zip(cand[turn - 1], cand[turn], strict=True):
+            # the previous prompt, 3 of the 4 answer tokens, 4 fresh ones
+            assert now[: len(prev) + 3] == prev + [3, 4, 5]
+            assert len(now) == len(prev) + 3 + 4
+    assert row["tokens"] == 4 * 2 * 4
+
+
+def test_teacher_forcing_makes_room_for_long_sequences(monkeypatch):
+    import harness.equivalence as eq
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_engine(cell, model_dir):
+        seen.update(eq.engine_kwargs(cell, model_dir, None))
+        raise Stop
+
+    monkeypatch.setattr(eq, "_engine", fake_engine)
+    with pytest.raises(Stop):
+        eq.teacher_forced("qwen3_5", "bfloat16", "/m", [([1] * 6500, [2] * 64)])
+    assert seen["max_model_len"] == 6576
+    seen.clear()
+    with pytest.raises(Stop):
+        eq.teacher_forced("qwen3_5", "bfloat16", "/m", [([1] * 100, [2] * 64)])
+    assert seen["max_model_len"] == 2048
+    cells = eq.slice_cells("multi-turn")
+    assert {c.turns for c in cells} == {4, 2}
+    assert any(c.prompts and c.prompts[2] >= 6000 for c in cells)
