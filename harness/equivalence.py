@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import json
 import os
@@ -162,6 +163,24 @@ STOP_IDS = {FASTAPPLY: (16,), "default": (7, 77, 177)}
 REGEX = r"(t([0-9]|[1-9][0-9]|1[01][0-9]|12[0-7]))+"
 
 
+def samples_per_prompt(request: str) -> int:
+    """Completions per prompt (``n``): "n2" asks for two of each."""
+    return 2 if request == "n2" else 1
+
+
+def flat_prompts(waves, request: str) -> list[list[int]]:
+    """The prompt of every completion, in output order (``generate`` gives
+    the ``n`` completions of a prompt one after the other)."""
+    n = samples_per_prompt(request)
+    return [p for w in waves for p in w for _ in range(n)]
+
+
+def reference_request(cell: Cell) -> str:
+    """The request features of a cell's greedy reference: its own, but one
+    completion per prompt (the reference of a sampled cell is its floor)."""
+    return "plain" if cell.request == "n2" else cell.request
+
+
 def constrained(request: str) -> bool:
     """Whether a request's outputs are masked by a grammar."""
     return request == "regex"
@@ -177,6 +196,13 @@ def request_kwargs(cell: Cell) -> dict:
         from vllm.sampling_params import StructuredOutputsParams
 
         return {"structured_outputs": StructuredOutputsParams(regex=REGEX)}
+    if cell.request == "n2":
+        # two completions of each prompt: vLLM forks child requests that
+        # share the prompt's blocks; vLLM samples them (n > 1 is refused
+        # with greedy decoding), judged as sampled cells are
+        if cell.sampling == "greedy":
+            raise ValueError("request n2 needs a sampled cell (n > 1 samples)")
+        return {"n": samples_per_prompt(cell.request)}
     raise ValueError(f"unknown request features {cell.request!r}")
 
 
@@ -434,6 +460,15 @@ def second_wave(prompts, continuations, seed: int, tail: int = 4):
     return out
 
 
+def _one(out, completion):
+    """A request output narrowed to one of its completions."""
+    if len(out.outputs) == 1:
+        return out
+    narrowed = copy.copy(out)
+    narrowed.outputs = [completion]
+    return narrowed
+
+
 def generate(cell: Cell, model_dir: str, waves, logprobs: int | None,
              batches: list[int] | None = None):  # fmt: skip
     """Greedy outputs of each wave of prompts in turn (one engine, so later
@@ -460,11 +495,13 @@ def generate(cell: Cell, model_dir: str, waves, logprobs: int | None,
             for i in range(0, len(prompts), b):
                 chunk = prompts[i : i + b]
                 with _at_run_time():
-                    outs += llm.generate(
+                    got = llm.generate(
                         [TokensPrompt(prompt_token_ids=p) for p in chunk],
                         sp,
                         use_tqdm=False,
                     )
+                # one entry per completion (n > 1: flat_prompts' order)
+                outs += [_one(o, c) for o in got for c in o.outputs]
         metrics: dict = {}
         try:
             config = llm.llm_engine.vllm_config
@@ -649,7 +686,7 @@ def run_cells(
             two_waves = cell.cache_mode == "align"
             n_waves = cell.turns if two_waves else 1
             rkey = (cell.model, cell.dtype, n, cell.max_tokens, two_waves,
-                    cell.kv_cache_dtype, cell.prompts, cell.request,
+                    cell.kv_cache_dtype, cell.prompts, reference_request(cell),
                     n_waves)  # fmt: skip
             if rkey not in refs:
                 # long-prompt cells: the reference takes the same lengths
@@ -657,7 +694,8 @@ def run_cells(
                 ref_cell = Cell(cell.model, "none", 0, n, dtype=cell.dtype,
                                 max_tokens=cell.max_tokens,
                                 kv_cache_dtype=cell.kv_cache_dtype,
-                                request=cell.request, extra=lengths)  # fmt: skip
+                                request=reference_request(cell),
+                                extra=lengths)  # fmt: skip
                 if cell.prompts:  # (n, seed, shortest, longest)
                     _, pseed, lo, hi = cell.prompts
                     waves = [cell_prompts(cell.model, n, pseed, (lo, hi))]
@@ -669,7 +707,8 @@ def run_cells(
                                                 waves[0], n)  # fmt: skip
                 last = outs
                 for turn in range(1, n_waves):
-                    toks = [list(o.outputs[0].token_ids) for o in last]
+                    n_s = samples_per_prompt(cell.request)
+                    toks = [list(o.outputs[0].token_ids) for o in last[::n_s]]
                     # fast-apply: the answer so far, in distribution
                     tail = 0 if cell.model == FASTAPPLY else 4
                     waves.append(second_wave(waves[-1], toks, seed + turn - 1, tail))
@@ -686,7 +725,7 @@ def run_cells(
                     [list(o.outputs[0].token_ids) for o in fouts],
                 )
             _, ref_tokens, waves = refs[rkey]
-            prompts = [p for w in waves for p in w]
+            prompts = flat_prompts(waves, cell.request)
             log = None
             if cell.drafter.startswith("scripted:"):
                 log = _scripted_env(cell, workdir, seed, prompts, ref_tokens)
@@ -725,7 +764,7 @@ def run_cells(
                 and rkey[5] == kv
                 and not constrained(rkey[7])
             ):
-                prompts = [p for w in waves for p in w]
+                prompts = flat_prompts(waves, rkey[7])
                 seqs += list(zip(prompts, ref_tokens, strict=True))
                 owners += [("ref", rkey, i) for i in range(len(prompts))]
                 if rkey in floors:
@@ -967,6 +1006,30 @@ def slice_cells(name: str) -> list[Cell]:
                 max_tokens=mt,
             ),  # fmt: skip
             Cell("qwen3_5", "scripted:all_accept", 4, 8, "v1", request="regex"),
+            # two sampled completions per prompt (child requests sharing the
+            # prompt's blocks), judged as sampled cells
+            Cell(
+                fa,
+                "mtp",
+                3,
+                8,
+                "v1",
+                "align",
+                sampling="t1",
+                request="n2",
+                max_tokens=mt,
+            ),  # fmt: skip
+            Cell(
+                fa,
+                "mtp",
+                3,
+                8,
+                "mrv2",
+                sampling="t0.8-p0.9-k5",
+                request="n2",
+                max_tokens=mt,
+            ),  # fmt: skip
+            Cell(fa, "ngram", 64, 8, "v1", sampling="t1", request="n2", max_tokens=mt),
         ]
     if name == "multi-turn":
         # conversations of four turns in align mode, each turn continuing the

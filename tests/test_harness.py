@@ -991,7 +991,7 @@ def test_stop_cells_share_their_stop_ids_with_their_own_reference(
     }
     with pytest.raises(ValueError):
         eq.request_kwargs(eq.Cell("qwen3_5", "mtp", 3, 8, request="json"))
-    assert {c.request for c in eq.slice_cells("requests")} == {"stop", "regex"}
+    assert {c.request for c in eq.slice_cells("requests")} == {"stop", "regex", "n2"}
 
 
 def test_verify_run_judges_a_constrained_candidate_by_the_reference_run():
@@ -1155,3 +1155,45 @@ def test_teacher_forcing_makes_room_for_long_sequences(monkeypatch):
     cells = eq.slice_cells("multi-turn")
     assert {c.turns for c in cells} == {4, 2}
     assert any(c.prompts and c.prompts[2] >= 6000 for c in cells)
+
+
+def test_n2_cells_judge_every_completion(monkeypatch):
+    """request="n2": SamplingParams(n=2); generate returns one entry per
+    completion in prompt order, and flat_prompts pairs each with its
+    prompt."""
+    import harness.equivalence as eq
+
+    seen = {}
+
+    class C:
+        def __init__(self, toks):
+            self.token_ids = toks
+            self.logprobs = None
+
+    class Out:
+        def __init__(self, prompt, n):
+            self.prompt_token_ids = prompt
+            self.outputs = [C([prompt[0], j]) for j in range(n)]
+
+    class LLM:
+        def generate(self, prompts, sp, use_tqdm=False):
+            seen["n"] = sp.n
+            return [Out(p["prompt_token_ids"], sp.n) for p in prompts]
+
+    monkeypatch.setattr(eq, "_engine", lambda cell, model_dir: LLM())
+    monkeypatch.setattr(eq, "_shutdown", lambda llm: None)
+    cell = eq.Cell("qwen3_5", "mtp", 3, 2, sampling="t1", request="n2", max_tokens=2)
+    with pytest.raises(ValueError, match="sampled"):
+        eq.request_kwargs(eq.Cell("qwen3_5", "mtp", 3, 2, request="n2"))
+    assert eq.reference_request(cell) == "plain"
+    waves = [[[5, 1], [6, 1]], [[7, 1]]]
+    outs, _ = eq.generate(cell, "/m", waves, logprobs=None)
+    assert seen["n"] == 2
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        [5, 0], [5, 1], [6, 0], [6, 1], [7, 0], [7, 1]
+    ]  # fmt: skip
+    assert all(len(o.outputs) == 1 for o in outs)
+    assert eq.flat_prompts(waves, "n2") == [
+        [5, 1], [5, 1], [6, 1], [6, 1], [7, 1], [7, 1]
+    ]  # fmt: skip
+    assert eq.flat_prompts(waves, "plain") == [[5, 1], [6, 1], [7, 1]]

@@ -296,7 +296,8 @@ class FakeLLM:
                 lps.append({t: SimpleNamespace(logprob=v)
                             for t, v in _dict(lp, tok).items()})  # fmt: skip
             gen = SimpleNamespace(token_ids=out, logprobs=lps if sp.logprobs else None)
-            outs.append(SimpleNamespace(prompt_logprobs=None, outputs=[gen]))
+            # n > 1: the same completion n times (a stand-in for n samples)
+            outs.append(SimpleNamespace(prompt_logprobs=None, outputs=[gen] * sp.n))
         return outs
 
 
@@ -406,3 +407,19 @@ def test_run_cells_drift_report_mode(monkeypatch, tmp_path):
     monkeypatch.setenv(oracle.DRIFT_ENV, "nonsense")
     with pytest.raises(ValueError):
         oracle.enforced()
+
+
+def test_run_cells_judges_every_completion_of_an_n2_cell(monkeypatch, tmp_path):
+    """request="n2" (a sampled cell, two completions per prompt): every
+    completion is verified against teacher forcing of its own prompt."""
+    from harness import equivalence as eq
+    from harness import models
+
+    monkeypatch.setattr(eq, "_engine", lambda cell, d: FakeLLM(cell, noise=1e-3))
+    monkeypatch.setattr(eq, "_shutdown", lambda llm: None)
+    monkeypatch.setattr(models, "write_model", lambda kind, out, seed=0: out)
+    cells = [eq.Cell("qwen3_5", "ngram", 5, 4, max_tokens=24, sampling="t1",
+                     request="n2")]  # fmt: skip
+    (row,) = eq.run_cells(cells, tmp_path, n_prompts=4, seed=0)
+    assert row["status"] == "ok", row.get("error")
+    assert row["prompts"] == 8 and row["tokens"] == 8 * 24
