@@ -70,6 +70,16 @@ JOBS = [
         "response against the reference (PASS / PASS-TIES / FAIL).",
     ),
     Job(
+        "soak",
+        "serving.soak",
+        "--model DIR --server ref=none --server cand=ngram [--fault kill-engine]",
+        "Load a speculative `vllm serve` with many clients and mixed requests "
+        "(stop strings, n=2, structured output, disconnects) for minutes or "
+        "N requests, optionally kill its engine core and restart it; then "
+        "check no request was lost, greedy answers match the reference, "
+        "memory stayed flat and the counters agree.",
+    ),
+    Job(
         "make-model",
         "serving.make_model",
         "{qwen9b,fastapply} OUT [...]",

@@ -28,6 +28,11 @@ second choice at every tie position (a harmless divergence), and
 ``--fake-startup-s`` delays ``/health``; ``--fake-exit-s`` makes the server
 exit early (a crash), and ``--fake-crash-on-request`` makes it exit at its
 first generation request (a crash that no timing can hide).
+``--fake-engine-child`` starts a child process whose command line names
+``EngineCore``, as vLLM's engine core does: once it is gone, ``/health``
+answers 503 and every generation request an HTTP 500 naming the dead
+engine (what ``vllm serve`` does when its engine core dies).
+``n`` > 1 (not streamed) returns that many choices (the same completion).
 
     python -m serving.fake_server MODEL --port 8100 [--fake-mode fastapply]
 """
@@ -269,6 +274,7 @@ def _parse(argv):
     ap.add_argument("--fake-startup-s", type=float, default=0.0)
     ap.add_argument("--fake-exit-s", type=float, default=0.0)
     ap.add_argument("--fake-crash-on-request", action="store_true")
+    ap.add_argument("--fake-engine-child", action="store_true")
     a, _ = ap.parse_known_args(argv)
     a.served_model_name = a.served_model_name or a.model
     return a
@@ -280,9 +286,20 @@ def make_app(a: argparse.Namespace):
     spec = json.loads(a.speculative_config) if a.speculative_config else None
     srv = Server(a, spec)
     model = srv.model
+    engine = None
+    if a.fake_engine_child:
+        import subprocess
+
+        engine = subprocess.Popen(
+            [sys.executable, "-c", "import time\nwhile True: time.sleep(1)",
+             "EngineCore"]
+        )  # fmt: skip
+
+    def engine_dead() -> bool:
+        return engine is not None and engine.poll() is not None
 
     async def health(request):
-        if time.time() - srv.t0 < a.fake_startup_s:
+        if time.time() - srv.t0 < a.fake_startup_s or engine_dead():
             return web.Response(status=503)
         return web.Response(text="")
 
@@ -339,6 +356,12 @@ def make_app(a: argparse.Namespace):
     async def handle(request, chat: bool):
         if a.fake_crash_on_request:
             os._exit(3)
+        if engine_dead():
+            return web.json_response(
+                {"error": {"message": "EngineCore encountered an issue",
+                           "type": "EngineDeadError"}},
+                status=500,
+            )  # fmt: skip
         body = await request.json()
         srv.n += 1
         try:
@@ -382,7 +405,8 @@ def make_app(a: argparse.Namespace):
                     srv.prompt_logprobs(prompt, int(pl)) if pl is not None else None
                 )
                 resp["object"] = "text_completion"
-            resp["choices"] = [choice]
+            n = int(body.get("n") or 1)
+            resp["choices"] = [dict(choice, index=j) for j in range(n)]
             return web.json_response(resp)
         # streaming: chunks of 1-4 tokens, text cut to what the ids say
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -1,0 +1,765 @@
+"""``vllm serve`` under a long, mixed load, and killed in the middle of one:
+the soak and fault checks of a speculative server (issue: reliability).
+
+    python -m serving.soak --model DIR --out OUT --server ref=none \\
+        --server cand=ngram --clients 256 --duration 300 --deadline 560
+    python -m serving.soak ... --requests 2000            # stop by count
+    python -m serving.soak ... --fault kill-engine --kill-after 400
+
+In order (the servers through ``serving.servers``, as ``serve_check``):
+
+1. launches the reference (first ``--server``, normally without
+   speculation) and the candidate, waits for ``/health``, scrapes
+   ``/metrics``;
+2. **load** on the candidate: ``--clients`` concurrent clients, each sending
+   one request after another until ``--duration`` seconds or ``--requests``
+   requests have started. Request ``i`` is the prompt set's request ``i``
+   (heterogeneous prompts, completions and chat, streamed and not) with a
+   feature by ``i % 10``: 3 a stop string, 5 two sampled completions
+   (``n=2``, seeded), 7 structured output (a regex, with the fast-apply
+   prompts), 9 a client that disconnects after the first streamed chunk;
+   the rest greedy as they are. Every ``--sample-s`` seconds it samples the
+   candidate's host memory (RSS of its process group, from ``/proc``), its
+   GPU memory (``nvidia-smi``, where there is one) and the requests done;
+3. with ``--fault kill-engine``: after ``--kill-after`` requests have
+   completed, SIGKILLs the candidate's engine-core process (a process of its
+   group whose command line names ``EngineCore``), waits until every request
+   in flight has ended and the API server is no longer healthy (each wait
+   bounded by ``--fault-timeout``, a hang guard), launches the candidate
+   again and sends it ``--replay`` greedy requests that completed before the
+   kill: each must come back identical;
+4. checks the candidate is alive (``/health``), scrapes ``/metrics`` again
+   (accepted draft tokens <= draft tokens; preemptions, which
+   ``--expect-preemption`` requires);
+5. replays every greedy request that completed (stop strings and
+   structured output included) on the reference and compares, margin-aware
+   as ``serve_check`` does (teacher-forced by the reference); a structured
+   output request must match exactly (teacher forcing does not see the
+   grammar); checks each ``n=2`` request returned two finished choices;
+6. writes ``OUT/soak.json`` (every request's outcome, the samples, the
+   metrics, the verdicts), ``OUT/soak.md`` and ``OUT/soak.png`` (memory and
+   requests over time, matplotlib), stops the servers.
+
+Outcomes: ``ok``; ``error`` (an explicit error: an HTTP error status or an
+error object in the stream); ``disconnected`` (the client's own doing);
+``lost`` (no response and no error: a reset connection, a stream cut
+without a finish reason). Verdict ``PASS`` when no request is lost, no
+greedy request diverged (ties allowed), every ``n=2`` request is whole,
+the candidate is alive at the end, the counters are consistent, host
+memory is flat (the mean of the last third of the samples within
+``--mem-tolerance`` of the middle third's; judged with 6 samples or more)
+and, with the fault, the restarted server answers identically. Without a
+fault, explicit errors also fail the soak.
+
+Why by hand: ``vllm bench serve`` measures speed with one kind of request
+and neither disconnects, compares outputs, nor kills the engine; this
+reuses ``serve_check``'s parts (launch, client, metrics, comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from . import CheckError
+from .client import send
+from .compare import TIE_MARGIN, compare, finalize, rescore
+from .metrics import metrics_delta, parse_metrics
+from .prompts import Request, build_requests, payload
+from .servers import (
+    PRESETS,
+    QWEN35_ENGINE_ARGS,
+    ServerSpec,
+    add_server_args,
+    launch,
+    log_tail,
+    name_values,
+    parse_spec,
+    stop,
+    wait_ready,
+)
+
+FEATURES = {3: "stop", 5: "n2", 7: "regex", 9: "disconnect"}
+# the fast-apply fixture's words: t<id>; its answers stop at " t16" now and
+# then (1.5 % of answer tokens)
+STOP_TEXT = {"fastapply": " t16", "text": "\n\n"}
+
+
+@dataclass
+class SoakRequest:
+    req: Request
+    feature: str  # plain | stop | n2 | regex | disconnect
+
+    @property
+    def greedy(self) -> bool:
+        return self.feature not in ("n2", "disconnect")
+
+
+def soak_request(pool: list[Request], i: int, prompts: str) -> SoakRequest:
+    base = pool[i % len(pool)]
+    feature = FEATURES.get(i % 10, "plain")
+    if feature == "regex" and prompts != "fastapply":
+        feature = "plain"  # the regex is written for the fixture's words
+    req = replace(base, idx=i)
+    if feature == "stop":
+        req = replace(req, stop=[STOP_TEXT[prompts]])
+    if feature == "disconnect":
+        req = replace(req, stream=True)
+    if feature == "n2":
+        req = replace(req, stream=False)
+    return SoakRequest(req, feature)
+
+
+def soak_payload(sr: SoakRequest, model: str, logprobs: bool = False) -> dict:
+    body = payload(sr.req, model, logprobs)
+    if sr.feature == "n2":
+        body.update(n=2, temperature=1.0, seed=sr.req.idx)
+    if sr.feature == "regex":
+        from harness.equivalence import REGEX
+
+        body["structured_outputs"] = {"regex": REGEX}
+    return body
+
+
+def outcome(res: dict) -> str:
+    """ok | error (explicit) | lost (no response, no error)."""
+    err = res.get("error")
+    if err is None:
+        return "ok"
+    if err.startswith(("HTTP ", "stream error")):
+        return "error"
+    return "lost"
+
+
+async def send_disconnecting(session, url: str, sr: SoakRequest, body: dict) -> dict:
+    """A streamed request whose client goes away after the first chunk."""
+    import aiohttp
+
+    path = "/v1/chat/completions" if sr.req.endpoint == "chat" else "/v1/completions"
+    res = {"error": None, "disconnected": False, "chunks": 0}
+    try:
+        async with session.post(url + path, json=body) as r:
+            if r.status != 200:
+                res["error"] = f"HTTP {r.status}: {(await r.text())[:300]}"
+                return res
+            async for _ in r.content.iter_any():
+                res["chunks"] += 1
+                res["disconnected"] = True
+                break  # leaving the block closes the connection
+    except aiohttp.ClientError as e:
+        res["error"] = f"{type(e).__name__}: {e}"[:300]
+    return res
+
+
+def n2_whole(raw: dict) -> bool:
+    """Two choices, each with a finish reason."""
+    choices = raw.get("choices") or []
+    return len(choices) == 2 and all(c.get("finish_reason") for c in choices)
+
+
+async def send_n2(session, url: str, sr: SoakRequest, body: dict) -> dict:
+    path = "/v1/chat/completions" if sr.req.endpoint == "chat" else "/v1/completions"
+    res = {"error": None, "whole": False}
+    try:
+        async with session.post(url + path, json=body) as r:
+            if r.status != 200:
+                res["error"] = f"HTTP {r.status}: {(await r.text())[:300]}"
+                return res
+            res["whole"] = n2_whole(await r.json())
+    except Exception as e:  # noqa: BLE001 - recorded per request
+        res["error"] = f"{type(e).__name__}: {e}"[:300]
+    return res
+
+
+# ---------------------------------------------------------------------------
+# the candidate's processes
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of a process group (from /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            # pid (comm) state ppid pgrp ...: comm may hold spaces
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                out.append(int(d.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def engine_pids(pgid: int) -> list[int]:
+    """The engine-core processes of a server's group: vLLM names them
+    ``VLLM::EngineCore...`` (process title)."""
+    return [p for p in group_pids(pgid) if p != pgid and "EngineCore" in cmdline(p)]
+
+
+def rss_mib(pgid: int) -> float:
+    total = 0
+    for pid in group_pids(pgid):
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except (OSError, ValueError):
+            continue
+    return round(total / 1024, 1)
+
+
+def gpu_mib(pids: list[int]) -> float | None:
+    """GPU memory of the given processes (nvidia-smi), None without one."""
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        query = [
+            "--query-compute-apps=pid,used_memory",
+            "--format=csv,noheader,nounits",
+        ]
+        out = subprocess.run(
+            [exe, *query], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    used = 0.0
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in pids:
+            with contextlib.suppress(ValueError):
+                used += float(parts[1])
+    return used
+
+
+def counter(text: str, name: str) -> float:
+    """A Prometheus counter summed over its label sets."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            with contextlib.suppress(ValueError):
+                total += float(line.rsplit(None, 1)[1])
+    return total
+
+
+async def get_text(session, url: str) -> tuple[int, str]:
+    try:
+        async with session.get(url) as r:
+            return r.status, await r.text()
+    except Exception:  # noqa: BLE001 - a dead server
+        return 0, ""
+
+
+def memory_flat(samples: list[dict], tolerance: float) -> dict:
+    """Host memory: the last third's mean against the middle third's (the
+    first third is warm-up)."""
+    rss = [s["rss_mib"] for s in samples if s.get("rss_mib")]
+    if len(rss) < 6:
+        return {"judged": False, "samples": len(rss)}
+    third = len(rss) // 3
+    mid = sum(rss[third : 2 * third]) / third
+    last = sum(rss[-third:]) / third
+    growth = (last - mid) / mid if mid else 0.0
+    return {
+        "judged": True,
+        "samples": len(rss),
+        "middle_mib": round(mid, 1),
+        "last_mib": round(last, 1),
+        "growth": round(growth, 4),
+        "flat": growth <= tolerance,
+    }
+
+
+# ---------------------------------------------------------------------------
+# the load
+
+
+async def run_load(a, cand: ServerSpec, pool, log) -> dict:
+    """Clients against the candidate until the duration or request count;
+    the fault in the middle where asked."""
+    import aiohttp
+
+    t0 = time.monotonic()
+    end = t0 + a.duration if a.duration > 0 else math.inf
+    started = done = 0
+    results: dict[int, dict] = {}
+    samples: list[dict] = []
+    in_flight: set[int] = set()
+    fault: dict = {}
+    killed = asyncio.Event()
+    stop_load = asyncio.Event()
+
+    def more() -> bool:
+        # no new request once the engine is killed: those in flight drain
+        if stop_load.is_set() or killed.is_set() or time.monotonic() >= end:
+            return False
+        return a.requests <= 0 or started < a.requests
+
+    async def sample():
+        pids = group_pids(cand.proc.pid) if cand.proc else []
+        samples.append(
+            {
+                "t": round(time.monotonic() - t0, 2),
+                "rss_mib": rss_mib(cand.proc.pid) if cand.proc else None,
+                "gpu_mib": gpu_mib(pids),
+                "done": done,
+                "in_flight": len(in_flight),
+            }
+        )
+
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=a.request_timeout or None)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+
+        async def client():
+            nonlocal started, done
+            while more():
+                i = started
+                started += 1
+                sr = soak_request(pool, i, a.prompts)
+                body = soak_payload(sr, a.served_name)
+                in_flight.add(i)
+                if sr.feature == "disconnect":
+                    res = await send_disconnecting(session, cand.url, sr, body)
+                elif sr.feature == "n2":
+                    res = await send_n2(session, cand.url, sr, body)
+                else:
+                    res = await send(session, cand.url, sr.req, body, None)
+                in_flight.discard(i)
+                res["after_kill"] = killed.is_set()
+                results[i] = res
+                done += 1
+                if a.fault and not killed.is_set() and done >= a.kill_after:
+                    killed.set()
+
+        async def sampler():
+            await sample()
+            while not stop_load.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop_load.wait(), a.sample_s)
+                await sample()
+
+        async def faulter():
+            await killed.wait()
+            fault.update(await kill_engine(a, cand, session, in_flight, log))
+            stop_load.set()
+
+        tasks = [asyncio.create_task(client()) for _ in range(a.clients)]
+        side = [asyncio.create_task(sampler())]
+        if a.fault:
+            side.append(asyncio.create_task(faulter()))
+        await asyncio.gather(*tasks)
+        if a.fault and not killed.is_set():
+            fault["error"] = f"only {done} requests completed; none killed"
+        if killed.is_set():
+            await side[-1]  # the fault's waits end on their own (hang guard)
+        stop_load.set()
+        for t in side:
+            if not t.done():
+                t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await sample()
+    return {
+        "results": results,
+        "samples": samples,
+        "fault": fault,
+        "load_s": round(time.monotonic() - t0, 1),
+        "started": started,
+    }
+
+
+async def kill_engine(a, cand: ServerSpec, session, in_flight: set, log) -> dict:
+    """SIGKILL the engine core; then wait (bounded) for the requests in
+    flight to end and the API server to stop being healthy."""
+    pids = engine_pids(cand.proc.pid)
+    out: dict = {"engine_pids": pids, "in_flight_at_kill": len(in_flight)}
+    if not pids:
+        out["error"] = "no EngineCore process in the candidate's group"
+        return out
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    t_kill = time.monotonic()
+    log(f"[soak] killed engine core {pids}; {len(in_flight)} requests in flight")
+    guard = t_kill + a.fault_timeout
+    while in_flight and time.monotonic() < guard:
+        await asyncio.sleep(0.1)
+    out["in_flight_ended"] = not in_flight
+    out["in_flight_end_s"] = round(time.monotonic() - t_kill, 2)
+    if in_flight:
+        out["hung"] = sorted(in_flight)
+    while time.monotonic() < guard:
+        status, _ = await get_text(session, cand.url + "/health")
+        if status != 200:
+            break
+        await asyncio.sleep(0.2)
+    out["unhealthy_after_s"] = round(time.monotonic() - t_kill, 2)
+    out["health_failed"] = status != 200
+    return out
+
+
+# ---------------------------------------------------------------------------
+# checks after the load
+
+
+async def replay(url: str, model: str, items, concurrency: int, logprobs: bool):
+    """Send the given soak requests again (greedy ones: deterministic)."""
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
+        async def one(sr):
+            async with sem:
+                return await send(
+                    s, url, sr.req, soak_payload(sr, model, logprobs), None
+                )
+
+        return await asyncio.gather(*(one(sr) for sr in items))
+
+
+def judge(rows: list[dict]) -> dict:
+    return {
+        s: sum(r["status"] == s for r in rows)
+        for s in ("match", "tie", "diverged", "error")
+    }
+
+
+def plot(samples: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [s["t"] for s in samples]
+    fig, ax = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    ax[0].plot(t, [s.get("rss_mib") or 0 for s in samples], label="host RSS (MiB)")
+    gpu = [s.get("gpu_mib") for s in samples]
+    if any(g is not None for g in gpu):
+        ax[0].plot(t, [g or 0 for g in gpu], label="GPU memory (MiB)")
+    ax[0].set_ylabel("MiB")
+    ax[0].legend()
+    ax[0].set_title(title)
+    ax[1].plot(t, [s["done"] for s in samples], label="requests done")
+    ax[1].plot(t, [s["in_flight"] for s in samples], label="in flight")
+    ax[1].set_xlabel("seconds")
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(
+        prog="python -m serving.soak",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/soak")
+    ap.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="NAME=SPEC",
+        help="reference then candidate: SPEC none | "
+        + " | ".join(p for p in PRESETS if p != "none")
+        + " | JSON (default: ref=none cand=ngram)",
+    )
+    ap.add_argument("--server-args", action="append", default=[], metavar="NAME=ARGS")
+    ap.add_argument("--prompts", default="fastapply", choices=["fastapply", "text"])
+    ap.add_argument("--pool", type=int, default=512, help="distinct prompts")
+    ap.add_argument("--clients", type=int, default=256)
+    ap.add_argument("--duration", type=float, default=300.0, help="0: --requests")
+    ap.add_argument("--requests", type=int, default=0, help="0: --duration")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sample-s", type=float, default=5.0)
+    ap.add_argument("--request-timeout", type=float, default=0.0, help="0: none")
+    ap.add_argument("--fault", choices=["kill-engine"], default=None)
+    ap.add_argument("--kill-after", type=int, default=200)
+    ap.add_argument(
+        "--fault-timeout",
+        type=float,
+        default=120.0,
+        help="hang guard of each wait after the kill",
+    )
+    ap.add_argument("--replay", type=int, default=64)
+    ap.add_argument("--ref-concurrency", type=int, default=64)
+    ap.add_argument("--expect-preemption", action="store_true")
+    ap.add_argument("--mem-tolerance", type=float, default=0.05)
+    ap.add_argument("--tie-margin", type=float, default=TIE_MARGIN)
+    ap.add_argument("--deadline", type=float, default=0.0, help="0: none")
+    ap.add_argument("--vllm-cmd", default=None)
+    add_server_args(
+        ap,
+        port=8300,
+        cache_root="/tmp/soak-cache",
+        gpu_mem=0.3,
+        engine_args=QWEN35_ENGINE_ARGS,
+    )
+    a = ap.parse_args(argv)
+    if not a.server:
+        a.server = ["ref=none", "cand=ngram"]
+    if a.duration <= 0 and a.requests <= 0:
+        ap.error("give --duration or --requests")
+    if a.vllm_cmd is None:
+        exe = shutil.which("vllm")
+        a.vllm_cmd = (
+            shlex.quote(exe)
+            if exe
+            else f"{shlex.quote(sys.executable)} -m vllm.entrypoints.cli.main"
+        )
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    t_start = time.monotonic()
+    try:
+        a = parse_args(argv)
+        specs = name_values(a.server, "--server")
+        if len(specs) != 2:
+            raise CheckError("need exactly a reference and a candidate (--server)")
+        ref, cand = (ServerSpec(n, parse_spec(s)) for n, s in specs.items())
+        for name, extra in name_values(a.server_args, "--server-args").items():
+            {ref.name: ref, cand.name: cand}[name].extra = shlex.split(extra)
+        pool = build_requests(a.prompts, a.pool, a.seed, a.max_tokens)
+    except (CheckError, KeyError) as e:
+        print(f"soak: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    deadline = t_start + a.deadline if a.deadline > 0 else math.inf
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    def on_signal(signum, frame):
+        stop([ref, cand], grace=5)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    report: dict = {"schema": "hsfork-soak/1", "config": vars(a).copy()}
+    try:
+        for s in (ref, cand):
+            launch(a, s, out / "logs")
+            log(f"[soak] launched {s.name} on {s.url}")
+        failed = asyncio.run(wait_ready([ref, cand], deadline, log))
+        if failed:
+            raise CheckError(
+                f"not ready: {failed}\n"
+                + log_tail((ref if ref.name in failed else cand).log)
+            )
+        before = asyncio.run(_metrics_text(cand.url))
+        load = asyncio.run(run_load(a, cand, pool, log))
+        results = load["results"]
+        fault = load["fault"]
+        if a.fault and fault.get("engine_pids"):
+            # the restarted candidate answers greedy requests of before the
+            # kill as before
+            stop([cand], grace=10)
+            launch(a, cand, out / "logs")
+            again = asyncio.run(wait_ready([cand], deadline, log))
+            fault["restarted"] = not again
+            before = ("", None)  # the restarted server's counters start at 0
+            early = [
+                i
+                for i in sorted(results)
+                if not results[i].get("after_kill")
+                and outcome(results[i]) == "ok"
+                and soak_request(pool, i, a.prompts).greedy
+            ][: a.replay]
+            if not again and early:
+                items = [soak_request(pool, i, a.prompts) for i in early]
+                got = asyncio.run(
+                    replay(cand.url, a.served_name, items, a.ref_concurrency, False)
+                )
+                same = sum(
+                    g.get("error") is None
+                    and g["token_ids"] == results[i]["token_ids"]
+                    and g["text"] == results[i]["text"]
+                    for i, g in zip(early, got, strict=True)
+                )
+                fault["replayed"] = len(early)
+                fault["identical_after_restart"] = same
+        status, text = asyncio.run(_status_metrics(cand.url))
+        alive = status == 200
+        after = parse_metrics(text) if text else None
+        spec = metrics_delta(before[1], after)
+        preemptions = counter(text, "vllm:num_preemptions_total") - counter(
+            before[0], "vllm:num_preemptions_total"
+        )
+        # outcomes
+        kinds: dict[str, int] = {}
+        per_feature: dict[str, dict[str, int]] = {}
+        for i, res in results.items():
+            sr = soak_request(pool, i, a.prompts)
+            o = "disconnected" if res.get("disconnected") else outcome(res)
+            kinds[o] = kinds.get(o, 0) + 1
+            f = per_feature.setdefault(sr.feature, {})
+            f[o] = f.get(o, 0) + 1
+        n2_bad = [
+            i
+            for i, res in results.items()
+            if soak_request(pool, i, a.prompts).feature == "n2"
+            and outcome(res) == "ok"
+            and not res.get("whole")
+        ]
+        # the reference: every greedy request that completed
+        greedy = [
+            i
+            for i in sorted(results)
+            if outcome(results[i]) == "ok"
+            and not results[i].get("disconnected")
+            and soak_request(pool, i, a.prompts).greedy
+        ]
+        items = [soak_request(pool, i, a.prompts) for i in greedy]
+        log(f"[soak] replaying {len(items)} greedy requests on {ref.name}")
+        ref_res = asyncio.run(
+            replay(ref.url, a.served_name, items, a.ref_concurrency, True)
+        )
+        cand_res = [results[i] for i in greedy]
+        rows = compare([sr.req for sr in items], ref_res, cand_res, a.tie_margin)
+        for pos, row in enumerate(rows):
+            row["idx_pos"] = pos
+            row["feature"] = items[pos].feature
+        plain = [r for r in rows if r["feature"] != "regex"]
+        asyncio.run(
+            rescore(
+                ref.url, a.served_name, plain, ref_res, cand_res, a.tie_margin, deadline
+            )  # fmt: skip
+        )
+        finalize(plain)
+        for r in rows:
+            if r["feature"] == "regex" and r["status"] == "differs":
+                # teacher forcing does not see the grammar: exact or nothing
+                r.update(status="diverged", judged="structured output: exact")
+        counts = judge(rows)
+        mem = memory_flat(load["samples"], a.mem_tolerance)
+        checks = {
+            "no_request_lost": kinds.get("lost", 0) == 0,
+            "no_divergence": counts["diverged"] == 0 and counts["error"] == 0,
+            "n2_whole": not n2_bad,
+            "alive_at_end": alive,
+            "accepted_le_drafted": spec is None
+            or spec["accepted"] <= spec["draft_tokens"],
+        }
+        if mem["judged"]:
+            checks["memory_flat"] = mem["flat"]
+        if a.expect_preemption:
+            checks["preempted"] = preemptions > 0
+        if a.fault:
+            checks["engine_killed"] = bool(fault.get("engine_pids"))
+            checks["in_flight_ended"] = bool(fault.get("in_flight_ended"))
+            checks["health_failed"] = bool(fault.get("health_failed"))
+            checks["restart_identical"] = bool(fault.get("replayed")) and (
+                fault.get("identical_after_restart") == fault.get("replayed")
+            )
+        else:
+            checks["no_error"] = kinds.get("error", 0) == 0
+        verdict = "PASS" if all(checks.values()) else "FAIL"
+        report.update(
+            verdict=verdict,
+            checks=checks,
+            started=load["started"],
+            load_s=load["load_s"],
+            outcomes=kinds,
+            per_feature=per_feature,
+            n2_incomplete=n2_bad,
+            comparison=counts,
+            compared=len(rows),
+            rows=[r for r in rows if r["status"] != "match"],
+            spec_metrics=spec,
+            preemptions=preemptions,
+            memory=mem,
+            samples=load["samples"],
+            fault=fault,
+            results={
+                str(i): {
+                    "feature": soak_request(pool, i, a.prompts).feature,
+                    "outcome": "disconnected" if r.get("disconnected") else outcome(r),
+                    "error": r.get("error"),
+                    "latency_s": r.get("latency_s"),
+                    "tokens": len(r.get("token_ids") or []),
+                }
+                for i, r in sorted(results.items())
+            },
+        )
+        plot(load["samples"], out / "soak.png", f"soak: {cand.name} ({verdict})")
+        (out / "soak.md").write_text(markdown(report))
+        log((out / "soak.md").read_text())
+        return 0 if verdict == "PASS" else 1
+    except CheckError as e:
+        report.update(verdict="ERROR", error=str(e))
+        log(f"soak: {e}")
+        return 3
+    finally:
+        stop([ref, cand])
+        report["total_s"] = round(time.monotonic() - t_start, 1)
+        (out / "soak.json").write_text(json.dumps(report, indent=1, default=str))
+
+
+async def _metrics_text(url: str) -> tuple[str, dict | None]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        _, text = await get_text(s, url + "/metrics")
+    return text, parse_metrics(text) if text else None
+
+
+async def _status_metrics(url: str) -> tuple[int, str]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        status, _ = await get_text(s, url + "/health")
+        _, text = await get_text(s, url + "/metrics")
+    return status, text
+
+
+def markdown(r: dict) -> str:
+    lines = [
+        f"# Soak: {r['verdict']}",
+        "",
+        f"{r['started']} requests in {r['load_s']} s "
+        f"({r['config']['clients']} clients); outcomes: {r['outcomes']}.",
+        f"Compared with the reference: {r['compared']} greedy requests, "
+        f"{r['comparison']}.",
+        f"Spec-decode counters: {r['spec_metrics']}; preemptions: {r['preemptions']}.",
+        f"Host memory: {r['memory']}.",
+        "",
+        "| check | result |",
+        "|---|---|",
+        *(f"| {k} | {'ok' if v else '**FAILED**'} |" for k, v in r["checks"].items()),
+        "",
+        "Per feature: "
+        + "; ".join(f"{k}: {v}" for k, v in sorted(r["per_feature"].items())),
+    ]
+    if r.get("fault"):
+        lines += ["", f"Fault: {r['fault']}"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
