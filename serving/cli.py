@@ -80,6 +80,14 @@ JOBS = [
         "memory stayed flat and the counters agree.",
     ),
     Job(
+        "bad-requests",
+        "serving.bad_requests",
+        "--url URL --model NAME --max-model-len N [--out OUT]",
+        "Send malformed requests (negative max_tokens, prompts over the "
+        "context, bad sampling values, invalid regexes, ...) to a running "
+        "server: each must get a 4xx, the server must live on; a table.",
+    ),
+    Job(
         "make-model",
         "serving.make_model",
         "{qwen9b,fastapply} OUT [...]",

@@ -275,6 +275,12 @@ def _parse(argv):
     ap.add_argument("--fake-exit-s", type=float, default=0.0)
     ap.add_argument("--fake-crash-on-request", action="store_true")
     ap.add_argument("--fake-engine-child", action="store_true")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument(
+        "--fake-no-validation",
+        action="store_true",
+        help="answer malformed requests with HTTP 500 instead of 400",
+    )
     a, _ = ap.parse_known_args(argv)
     a.served_model_name = a.served_model_name or a.model
     return a
@@ -353,6 +359,50 @@ def make_app(a: argparse.Namespace):
     def want_lp(body, chat):
         return bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
 
+    def bad_request(message: str):
+        return web.json_response(
+            {"error": {"message": message, "type": "BadRequestError"}}, status=400
+        )
+
+    def invalid(body: dict, chat: bool) -> str | None:
+        """What vLLM's request validation would refuse (a few of its checks)."""
+        import re
+
+        mt = body.get("max_tokens", 16)
+        if not isinstance(mt, int) or isinstance(mt, bool):
+            return "max_tokens: Input should be a valid integer"
+        if mt < 0:
+            return "max_tokens must be at least 0"
+        if chat and not body.get("messages"):
+            return "messages: the list is empty"
+        if not isinstance(body.get("stop", []), (str, list)):
+            return "stop: Input should be a valid string or list"
+        if float(body.get("temperature", 0) or 0) < 0:
+            return "temperature must be non-negative"
+        if float(body.get("top_p", 1) or 1) > 1:
+            return "top_p must be in (0, 1]"
+        if int(body.get("n", 1)) < 1:
+            return "n must be at least 1"
+        lp = body.get("logprobs")
+        if not chat and isinstance(lp, int) and lp > 20:
+            return "logprobs: at most 20"
+        regex = (body.get("structured_outputs") or {}).get("regex")
+        if regex is not None:
+            try:
+                re.compile(regex)
+            except re.error as e:
+                return f"invalid regex: {e}"
+        prompt = body.get("prompt")
+        n_prompt = (
+            len(prompt) if isinstance(prompt, list) else len(str(prompt or "").split())
+        )
+        if n_prompt + mt > a.max_model_len:
+            return (
+                f"This model's maximum context length is {a.max_model_len} tokens; "
+                f"the request has {n_prompt} prompt tokens and max_tokens {mt}"
+            )
+        return None
+
     async def handle(request, chat: bool):
         if a.fake_crash_on_request:
             os._exit(3)
@@ -362,7 +412,24 @@ def make_app(a: argparse.Namespace):
                            "type": "EngineDeadError"}},
                 status=500,
             )  # fmt: skip
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError:
+            return bad_request("the body is not valid JSON")
+        if body.get("model") != a.served_model_name:
+            return web.json_response(
+                {"error": {"message": f"The model `{body.get('model')}` does not "
+                           "exist.", "type": "NotFoundError"}},
+                status=404,
+            )  # fmt: skip
+        problem = invalid(body, chat)
+        if problem:
+            if a.fake_no_validation:
+                return web.json_response(
+                    {"error": {"message": problem, "type": "InternalServerError"}},
+                    status=500,
+                )
+            return bad_request(problem)
         srv.n += 1
         try:
             prompt, ids, dists, text, finish = srv.run(body, chat)
