@@ -142,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--scripted-k", type=int, default=4)
     ap.add_argument("--accept-rate", type=float, default=0.7)
     ap.add_argument(
+        "--trace",
+        default=None,
+        help="scripted70: replay these recorded (drafts, accepted) per step "
+        "and request (harness.traces) instead of --accept-rate",
+    )
+    ap.add_argument(
         "--ref-iters",
         type=int,
         default=4,
@@ -636,10 +642,17 @@ def measure_scripted(llm, meter: StepMeter, a: argparse.Namespace, bs: int) -> d
     refs, ref_recs, _ = timed_generate(
         llm, meter, prompts, make_sampling("greedy", n + k + 2)
     )
+    traces = None
+    if a.trace:
+        from harness.traces import load
+
+        _, traces = load(a.trace)
     history = []
     for _ in range(a.ref_iters):
         plan = scripted.activate(
-            scripted.make_plan(prompts, refs, a.accept_rate, k, a.seed, vocab)
+            scripted.make_plan(
+                prompts, refs, a.accept_rate, k, a.seed, vocab, traces=traces
+            )
         )
         outs, _, _ = timed_generate(llm, meter, prompts, greedy)
         mismatched = sum(o != r[:n] for o, r in zip(outs, refs, strict=True))
@@ -654,7 +667,9 @@ def measure_scripted(llm, meter: StepMeter, a: argparse.Namespace, bs: int) -> d
     try:
         for _ in range(a.rounds):
             plan = scripted.activate(
-                scripted.make_plan(prompts, refs, a.accept_rate, k, a.seed, vocab)
+                scripted.make_plan(
+                    prompts, refs, a.accept_rate, k, a.seed, vocab, traces=traces
+                )
             )
             toks, rr, w = timed_generate(llm, meter, prompts, greedy)
             recs += rr
@@ -766,6 +781,7 @@ def run(a: argparse.Namespace) -> int:
         "batch_sizes": a.batch_sizes,
         "seed": a.seed,
         "accept_rate": a.accept_rate if a.mode == "scripted70" else None,
+        "trace": a.trace if a.mode == "scripted70" else None,
         "ref_iters": a.ref_iters if a.mode == "scripted70" else None,
         "runner": a.runner,
         "tq_cudagraph": a.tq_cudagraph,

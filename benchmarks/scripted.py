@@ -81,8 +81,16 @@ class Plan:
     intended: int = 0  # of which meant to be correct
     calls: int = 0  # propose() calls with at least one scripted row
     diverged: set[int] = field(default_factory=set)  # rows off the reference
+    # recorded (drafts, accepted) per step of each request (harness.traces):
+    # request row r replays trace r mod len(traces), its steps in a cycle
+    traces: list[list[list[int]]] | None = None
 
     def schedule(self, ctx: StepContext) -> tuple[int, int]:
+        if self.traces:
+            trace = self.traces[ctx.row % len(self.traces)]
+            drafts, accepted = trace[ctx.step % len(trace)]
+            n = min(drafts, ctx.k)
+            return n, min(accepted, n)
         return ctx.k, accepted_prefix(ctx.seed, ctx.row, ctx.step, ctx.k, self.p)
 
     def summary(self) -> dict:
@@ -108,7 +116,9 @@ def make_plan(
     k: int,
     seed: int,
     vocab_size: int,
+    traces: list[list[list[int]]] | None = None,
 ) -> Plan:
+    """The run's plan: drafts at ``rate``, or replaying ``traces``."""
     script = Script(
         {
             "schedule": "random",  # replaced by Plan.schedule
@@ -126,7 +136,7 @@ def make_plan(
         if len(head) < HEAD or head in by_head:
             raise ValueError(f"prompts need distinct heads of {HEAD} tokens")
         by_head[head] = i
-    return Plan(script, rate, prefix_probability(rate, k), by_head)
+    return Plan(script, rate, prefix_probability(rate, k), by_head, traces=traces)
 
 
 def activate(plan: Plan | None) -> Plan | None:
