@@ -249,70 +249,84 @@ def test_resplit_keeps_the_payload_and_stages_over_the_old_split(bundle, tmp_pat
     assert json.loads((out / "manifest.json").read_text()) == new
 
 
-def _index_wheel(dest: Path, name: str, version: str, requires: list[str]) -> None:
+RESOLVE_CHILD = """
+import json, subprocess, sys, zipfile
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from hsfork import bundle
+
+INDEX = {
+    "nvidia-cutlass-dsl": ("4.8.0", [
+        "nvidia-cutlass-dsl-libs-base==4.8.0",
+        'nvidia-cutlass-dsl-libs-cu13==4.8.0; extra == "cu13"',
+        "nvidia-cuda-runtime>=13",
+        "numpy",
+    ]),
+    "nvidia-cutlass-dsl-libs-base": ("4.8.0", []),
+    "nvidia-cutlass-dsl-libs-cu13": ("4.8.0", []),
+}
+asked = []
+
+def wheel(dest, name, version, requires):
     stem = f"{name.replace('-', '_')}-{version}"
-    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
-    meta += "".join(f"Requires-Dist: {r}\n" for r in requires)
+    meta = f"Metadata-Version: 2.1\\nName: {name}\\nVersion: {version}\\n"
+    meta += "".join(f"Requires-Dist: {r}\\n" for r in requires)
     with zipfile.ZipFile(dest / f"{stem}-py3-none-any.whl", "w") as z:
-        z.writestr(f"{stem}.dist-info/METADATA", meta + "\n")
+        z.writestr(f"{stem}.dist-info/METADATA", meta + "\\n")
+
+def fake_pip(cmd, **kwargs):
+    # pip download, answered from INDEX
+    dest = Path(cmd[cmd.index("--dest") + 1])
+    for req in cmd[cmd.index("--platform"):]:
+        name = req.split("=")[0].split(">")[0]
+        if name in INDEX:
+            asked.append(name)
+            wheel(dest, name, *INDEX[name])
+    return subprocess.CompletedProcess(cmd, 0, "", "")
+
+bundle.subprocess.run = fake_pip
+out, tmp = {}, Path(sys.argv[2])
+report = {}
+host = {"numpy": None}
+got = bundle.resolve_dependencies(["nvidia-cutlass-dsl[cu13]==4.8.0"], tmp / "a",
+                                  host=host, report=report,
+                                  carry={"nvidia-cutlass-dsl"})
+out["carried"] = sorted(p.name for p in got)
+out["unmet"] = report["host_stack_unmet"]
+out["asked"] = list(asked)
+asked.clear()
+out["without_carry"] = [p.name for p in bundle.resolve_dependencies(
+    ["nvidia-cutlass-dsl[cu13]==4.8.0"], tmp / "b", host=host)]
+out["asked_without_carry"] = list(asked)
+print("RESULT " + json.dumps(out))
+"""
 
 
-def test_an_extra_requirement_is_carried_though_its_name_looks_like_cuda(
-    tmp_path, monkeypatch
-):
+def test_an_extra_requirement_is_carried_though_its_name_looks_like_cuda(tmp_path):
     """`bundle --requirement 'nvidia-cutlass-dsl[cu13]==4.8.0'` carries the
     package and the libraries its extra pulls in, though names starting with
-    ``nvidia-`` are otherwise left to the host's CUDA stack."""
-    from hsfork import bundle
+    ``nvidia-`` are otherwise left to the host's CUDA stack. (In a child
+    process: the resolver imports pip, after which setuptools' distutils
+    shim steps aside for the rest of a process.)"""
+    from conftest import run_until_done
 
-    index = {
-        "nvidia-cutlass-dsl": (
-            "4.8.0",
-            [
-                "nvidia-cutlass-dsl-libs-base==4.8.0",
-                'nvidia-cutlass-dsl-libs-cu13==4.8.0; extra == "cu13"',
-                "nvidia-cuda-runtime>=13",
-                "numpy",
-            ],
-        ),
-        "nvidia-cutlass-dsl-libs-base": ("4.8.0", []),
-        "nvidia-cutlass-dsl-libs-cu13": ("4.8.0", []),
-    }
-    asked: list[str] = []
-
-    def fake_pip(cmd, **kwargs):
-        dest = Path(cmd[cmd.index("--dest") + 1])
-        for req in cmd[cmd.index("--platform") :]:
-            name = req.split("=")[0].split(">")[0]
-            if name in index:
-                asked.append(name)
-                _index_wheel(dest, name, *index[name])
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-
-    monkeypatch.setattr(bundle.subprocess, "run", fake_pip)
-    report: dict = {}
-    host = {"numpy": None}
-    got = bundle.resolve_dependencies(
-        ["nvidia-cutlass-dsl[cu13]==4.8.0"],
-        tmp_path / "wheels",
-        host=host,
-        report=report,
-        carry={"nvidia-cutlass-dsl"},
-    )
-    assert sorted(p.name.split("-")[0] for p in got) == [
+    script = tmp_path / "resolve.py"
+    script.write_text(RESOLVE_CHILD)
+    proc = run_until_done(
+        [sys.executable, str(script), str(Path(__file__).resolve().parent.parent),
+         str(tmp_path)],
+        what="the dependency resolver with a fake pip",
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT ") :])
+    assert [n.split("-")[0] for n in got["carried"]] == [
         "nvidia_cutlass_dsl",
         "nvidia_cutlass_dsl_libs_base",
         "nvidia_cutlass_dsl_libs_cu13",
     ]
     # a CUDA library it names is still the host's, and reported if unmet
-    assert "nvidia-cuda-runtime" not in asked
-    assert report["host_stack_unmet"] == ["nvidia-cuda-runtime>=13 (host: ?)"]
+    assert "nvidia-cuda-runtime" not in got["asked"]
+    assert got["unmet"] == ["nvidia-cuda-runtime>=13 (host: ?)"]
     # without carry, the package is left to the host stack like a CUDA library
-    asked.clear()
-    assert (
-        bundle.resolve_dependencies(
-            ["nvidia-cutlass-dsl[cu13]==4.8.0"], tmp_path / "w2", host=host
-        )
-        == []
-    )
-    assert asked == []
+    assert got["without_carry"] == [] and got["asked_without_carry"] == []
