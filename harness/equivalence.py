@@ -90,9 +90,10 @@ class Cell:
     # continues the one before (a turn of a conversation), hitting the prefix
     # cache on blocks written while that wave speculated
     turns: int = 2
-    # request features beyond greedy decoding, the same for the reference
-    # (REQUESTS): "plain", or "stop" (stop token ids that end answers early,
-    # often inside an accepted run)
+    # request features beyond greedy decoding (request_kwargs), the same for
+    # the cell's reference: "plain"; "stop" (stop token ids that end answers
+    # early, often inside an accepted run); "regex" (structured output);
+    # "n2" (two sampled completions per prompt, with a sampled preset)
     request: str = "plain"
 
     def key(self) -> dict:
@@ -707,7 +708,7 @@ def run_cells(
                                                 waves[0], n)  # fmt: skip
                 last = outs
                 for turn in range(1, n_waves):
-                    n_s = samples_per_prompt(cell.request)
+                    n_s = samples_per_prompt(reference_request(cell))
                     toks = [list(o.outputs[0].token_ids) for o in last[::n_s]]
                     # fast-apply: the answer so far, in distribution
                     tail = 0 if cell.model == FASTAPPLY else 4
@@ -988,7 +989,7 @@ def slice_cells(name: str) -> list[Cell]:
                 async_sched=True,
                 request="stop",
                 max_tokens=mt,
-            ),  # fmt: skip
+            ),
             Cell("qwen3_5", "scripted:all_accept", 4, 8, "v1", "align", request="stop"),
             Cell("nemotron_h", "scripted:all_accept", 4, 8, "mrv2", request="stop"),
             # structured output: the grammar rejects drafts (ids >= 128) the
@@ -1004,7 +1005,7 @@ def slice_cells(name: str) -> list[Cell]:
                 async_sched=True,
                 request="regex",
                 max_tokens=mt,
-            ),  # fmt: skip
+            ),
             Cell("qwen3_5", "scripted:all_accept", 4, 8, "v1", request="regex"),
             # two sampled completions per prompt (child requests sharing the
             # prompt's blocks), judged as sampled cells
@@ -1018,7 +1019,7 @@ def slice_cells(name: str) -> list[Cell]:
                 sampling="t1",
                 request="n2",
                 max_tokens=mt,
-            ),  # fmt: skip
+            ),
             Cell(
                 fa,
                 "mtp",
@@ -1028,7 +1029,7 @@ def slice_cells(name: str) -> list[Cell]:
                 sampling="t0.8-p0.9-k5",
                 request="n2",
                 max_tokens=mt,
-            ),  # fmt: skip
+            ),
             Cell(fa, "ngram", 64, 8, "v1", sampling="t1", request="n2", max_tokens=mt),
         ]
     if name == "multi-turn":
@@ -1056,7 +1057,7 @@ def slice_cells(name: str) -> list[Cell]:
                 extra=long,
                 prompts=(4, 7, 6000, 7000),
                 max_tokens=64,
-            ),  # fmt: skip
+            ),
             Cell(
                 "qwen3_5",
                 "mtp",
@@ -1067,7 +1068,7 @@ def slice_cells(name: str) -> list[Cell]:
                 extra=long,
                 prompts=(4, 7, 6000, 7000),
                 max_tokens=64,
-            ),  # fmt: skip
+            ),
         ]
     if name == "fp8":
         # the fast-apply fixture as a block-FP8 checkpoint (harness.fp8: the
@@ -1089,7 +1090,7 @@ def slice_cells(name: str) -> list[Cell]:
                 async_sched=True,
                 dtype=FP8,
                 max_tokens=128,
-            ),  # fmt: skip
+            ),
             Cell(fa, "mtp", 3, 8, "mrv2", chunked=True, dtype=FP8, max_tokens=128),
         ]
     if name == "draft-length":

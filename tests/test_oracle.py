@@ -409,17 +409,22 @@ def test_run_cells_drift_report_mode(monkeypatch, tmp_path):
         oracle.enforced()
 
 
-def test_run_cells_judges_every_completion_of_an_n2_cell(monkeypatch, tmp_path):
+@pytest.mark.parametrize("cache_mode", ["none", "align"])
+def test_run_cells_judges_every_completion_of_an_n2_cell(
+    monkeypatch, tmp_path, cache_mode
+):
     """request="n2" (a sampled cell, two completions per prompt): every
-    completion is verified against teacher forcing of its own prompt."""
+    completion is verified against teacher forcing of its own prompt; in
+    align mode the second wave continues the (one-completion) reference."""
     from harness import equivalence as eq
     from harness import models
 
     monkeypatch.setattr(eq, "_engine", lambda cell, d: FakeLLM(cell, noise=1e-3))
     monkeypatch.setattr(eq, "_shutdown", lambda llm: None)
     monkeypatch.setattr(models, "write_model", lambda kind, out, seed=0: out)
-    cells = [eq.Cell("qwen3_5", "ngram", 5, 4, max_tokens=24, sampling="t1",
-                     request="n2")]  # fmt: skip
+    cells = [eq.Cell("qwen3_5", "ngram", 5, 4, cache_mode=cache_mode,
+                     max_tokens=24, sampling="t1", request="n2")]  # fmt: skip
     (row,) = eq.run_cells(cells, tmp_path, n_prompts=4, seed=0)
+    waves = 2 if cache_mode == "align" else 1
     assert row["status"] == "ok", row.get("error")
-    assert row["prompts"] == 8 and row["tokens"] == 8 * 24
+    assert row["prompts"] == 8 * waves and row["tokens"] == 8 * 24 * waves
