@@ -18,9 +18,13 @@ under a tight budget is where divergences were found), prefix caching
 (none / align: a second wave hits the prefix cache), the KV pool (ample, or
 a few blocks above the least the engine starts with: preemption), CUDA
 graphs or eager, async scheduling, batch composition (number of prompts,
-their lengths and seed) and output length. Configurations are drawn in
-groups that share one reference (model, prompts, output length, waves), so
-that one reference and one teacher-forced verification serve a group.
+their lengths and seed), output length, request features (plain, stop
+token ids, structured output: ``harness.equivalence.request_kwargs``) and,
+in align mode, the number of waves (turns of a conversation). Configurations
+are drawn in groups that share one reference (model, prompts, output length,
+request features, waves), so that one reference and one teacher-forced
+verification serve a group. ``regroup --twin`` runs a failure again beside
+its non-speculative twin, to tell speculation from the configuration.
 
 **One runner path.** A configuration maps onto ``harness.equivalence.Cell``
 (``to_cell``; engine arguments beyond the cell's own in ``extra``) and a
@@ -137,6 +141,8 @@ MAX_TOKENS = (16, 32, 64, 96, 128)
 PROMPT_BANDS = ((4, 16), (8, 48), (24, 200), (100, 400))
 SLACKS = (0, 1, 2, 4, 8, 16, 32)
 GRAPHS = ("eager", "full_and_piecewise", "piecewise", "full_decode_only")
+# request features of a group (harness.equivalence.request_kwargs) -> weight
+REQUESTS = {"plain": 6, "stop": 2, "regex": 1}
 
 # error texts of refusals by design (vLLM's or the fork's), by line
 REFUSED_BY_DESIGN = (
@@ -186,6 +192,10 @@ class FuzzConfig:
     pool_slack: int | None = None  # None: ample pool
     graphs: str = "eager"
     async_sched: bool = False
+    # request features (harness.equivalence.request_kwargs): plain | stop |
+    # regex; turns: waves in align mode, each continuing the one before
+    request: str = "plain"
+    turns: int = 2
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -204,6 +214,8 @@ class FuzzConfig:
             self.prompt_band,
             self.max_tokens,
             self.cache_mode == "align",
+            self.request,
+            self.turns,
         )
 
     def name(self) -> str:
@@ -260,6 +272,7 @@ def _geometric(rng: random.Random, values, p: float = 0.35):
 def draw_shape(rng: random.Random) -> dict:
     """A reference shape: what a group of configurations shares."""
     model = _pick(rng, MODELS)
+    cache_mode = rng.choice(("none", "align"))
     return {
         "model": model,
         "n_prompts": rng.choice((1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)),
@@ -267,7 +280,12 @@ def draw_shape(rng: random.Random) -> dict:
         "prompt_band": rng.randrange(len(PROMPT_BANDS)),
         # the fast-apply fixture's answers end at EOS (117 tokens at most)
         "max_tokens": 128 if model == FASTAPPLY else rng.choice(MAX_TOKENS),
-        "cache_mode": rng.choice(("none", "align")),
+        "cache_mode": cache_mode,
+        # production request features: stop token ids that end answers inside
+        # accepted runs, structured output whose grammar rejects drafts
+        "request": _pick(rng, REQUESTS),
+        # conversations of more turns on blocks written while speculating
+        "turns": rng.choice((2, 2, 3, 4)) if cache_mode == "align" else 2,
     }
 
 
@@ -343,12 +361,12 @@ def prompts_of(cfg: FuzzConfig) -> list[list[int]]:
 
 def model_len(cfg: FuzzConfig) -> int:
     """max_model_len: the longest request the configuration makes (a
-    second-wave prompt is a first-wave prompt, three quarters of its
+    later wave's prompt is the wave before's prompt, three quarters of its
     continuation and 4 fresh tokens: harness.equivalence.second_wave), its
     output, the k lookahead slots, rounded up to 16."""
     longest = max(len(p) for p in prompts_of(cfg))
     if cfg.cache_mode == "align":
-        longest += cfg.max_tokens * 3 // 4 + 4
+        longest += (cfg.turns - 1) * (cfg.max_tokens * 3 // 4 + 4)
     need = longest + cfg.max_tokens + cfg.k + 1
     return -(-need // 16) * 16
 
@@ -396,6 +414,8 @@ def to_cell(cfg: FuzzConfig):
         max_tokens=cfg.max_tokens,
         extra=extra,
         prompts=(cfg.n_prompts, cfg.prompt_seed, *lo_hi),
+        request=cfg.request,
+        turns=cfg.turns,
     )
 
 
@@ -773,8 +793,12 @@ def neighbours(cfg: FuzzConfig) -> list[FuzzConfig]:
         out.append(rep(cfg, async_sched=False))
     if cfg.pool_slack is not None:
         out.append(rep(cfg, pool_slack=None))
+    if cfg.request != "plain":
+        out.append(rep(cfg, request="plain"))
+    if cfg.turns != 2:
+        out.append(rep(cfg, turns=2))
     if cfg.cache_mode != "none":
-        out.append(rep(cfg, cache_mode="none"))
+        out.append(rep(cfg, cache_mode="none", turns=2))
     if cfg.chunked and cfg.cache_mode == "none":  # align needs chunked prefill
         out.append(rep(cfg, chunked=False, budget=None))
     for n in _ladder_moves(cfg.n_prompts, range(1, cfg.n_prompts + 1)):
@@ -821,7 +845,9 @@ def complexity(cfg: FuzzConfig) -> tuple:
         + (cfg.pool_slack is not None)
         + (cfg.cache_mode != "none")
         + cfg.chunked
-        + (cfg.runner != "v1"),
+        + (cfg.runner != "v1")
+        + (cfg.request != "plain")
+        + (cfg.turns != 2),
         cfg.n_prompts
         + cfg.prompt_band
         + pos(cfg.max_tokens, MAX_TOKENS)

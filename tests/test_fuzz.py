@@ -55,6 +55,21 @@ def test_draw_covers_every_dimension():
     assert {1, 48} <= seen["n_prompts"]
     assert {1, 2, 3} <= seen["lookup_min"] and max(seen["lookup_max"]) == 10
     assert set(fuzz.BUDGETS) | {None} == seen["budget"]
+    assert seen["request"] == set(fuzz.REQUESTS)
+    assert seen["turns"] == {2, 3, 4}
+    # more turns only in align mode (a later wave hits the prefix cache)
+    assert all(c.turns == 2 for c in cfgs if c.cache_mode == "none")
+
+
+def test_shrinking_drops_request_features_and_turns():
+    c = FuzzConfig("qwen3_5", "mtp", 2, cache_mode="align", chunked=True,
+                   budget=64, request="regex", turns=4)  # fmt: skip
+    moves = fuzz.neighbours(c)
+    assert dataclasses.replace(c, request="plain") in moves
+    assert dataclasses.replace(c, turns=2) in moves
+    assert all(fuzz.complexity(m) < fuzz.complexity(c) for m in moves)
+    cell = fuzz.to_cell(c)
+    assert (cell.request, cell.turns) == ("regex", 4)
 
 
 def test_draw_weights_small_budgets():
@@ -93,16 +108,16 @@ def test_model_len_holds_the_longest_request(seed):
     from harness.equivalence import second_wave
 
     for c in _configs(seed, 4):
-        first = fuzz.prompts_of(c)
-        # the longest continuation the engine may produce
-        cont = [[0] * c.max_tokens for _ in first]
-        waves = first + (second_wave(first, cont, 0) if c.cache_mode == "align" else [])
+        wave = fuzz.prompts_of(c)
+        waves = list(wave)
+        # each later wave continues the one before by the longest
+        # continuation the engine may produce
+        for _ in range(c.turns - 1 if c.cache_mode == "align" else 0):
+            wave = second_wave(wave, [[0] * c.max_tokens for _ in wave], 0)
+            waves += wave
         longest = max(map(len, waves)) + c.max_tokens + c.k
-        assert (
-            longest
-            < fuzz.model_len(c)
-            <= longest + 16 + (c.max_tokens // 4 if c.cache_mode == "align" else 0)
-        )
+        slack = (c.turns - 1) * (c.max_tokens // 4) if c.cache_mode == "align" else 0
+        assert longest < fuzz.model_len(c) <= longest + 16 + slack
 
 
 @pytest.fixture(scope="module")
