@@ -345,7 +345,8 @@ async def run_load(a, cand: ServerSpec, pool, log) -> dict:
                 elif sr.feature == "n2":
                     res = await send_n2(session, cand.url, sr, body)
                 else:
-                    res = await send(session, cand.url, sr.req, body, None)
+                    limit = a.request_timeout or None
+                    res = await send(session, cand.url, sr.req, body, limit)
                 in_flight.discard(i)
                 res["after_kill"] = killed.is_set()
                 results[i] = res
@@ -365,11 +366,23 @@ async def run_load(a, cand: ServerSpec, pool, log) -> dict:
             fault.update(await kill_engine(a, cand, session, in_flight, log))
             stop_load.set()
 
+        async def release():
+            # after the fault's waits: clients still waiting on a request
+            # that never ends are stopped (the request counts as lost)
+            await stop_load.wait()
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+
         tasks = [asyncio.create_task(client()) for _ in range(a.clients)]
-        side = [asyncio.create_task(sampler())]
+        side = [asyncio.create_task(sampler()), asyncio.create_task(release())]
         if a.fault:
             side.append(asyncio.create_task(faulter()))
-        await asyncio.gather(*tasks)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for i in range(started):
+            if i not in results:
+                results[i] = {"error": "no answer: still waiting when the load "
+                              "stopped after the fault's hang guard"}  # fmt: skip
         if a.fault and not killed.is_set():
             fault["error"] = f"only {done} requests completed; none killed"
         if killed.is_set():
@@ -404,6 +417,7 @@ async def kill_engine(a, cand: ServerSpec, session, in_flight: set, log) -> dict
     t_kill = time.monotonic()
     log(f"[soak] killed engine core {pids}; {len(in_flight)} requests in flight")
     guard = t_kill + a.fault_timeout
+    status = 200
     while in_flight and time.monotonic() < guard:
         await asyncio.sleep(0.1)
     out["in_flight_ended"] = not in_flight
@@ -497,7 +511,12 @@ def parse_args(argv):
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sample-s", type=float, default=5.0)
-    ap.add_argument("--request-timeout", type=float, default=0.0, help="0: none")
+    ap.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="hang guard per request (0: none); a request past it counts as lost",
+    )
     ap.add_argument("--fault", choices=["kill-engine"], default=None)
     ap.add_argument("--kill-after", type=int, default=200)
     ap.add_argument(
