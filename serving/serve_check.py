@@ -67,7 +67,6 @@ import json
 import math
 import os
 import shlex
-import shutil
 import signal
 import sys
 import threading
@@ -87,6 +86,7 @@ from .servers import (
     QWEN35_ENGINE_ARGS,
     ServerSpec,
     add_server_args,
+    default_vllm_cmd,
     launch,
     log_facts,
     log_tail,
@@ -198,12 +198,7 @@ def parse_args(argv):
     if not a.server:
         a.server = ["ref=none", "ngram=ngram"]
     if a.vllm_cmd is None:
-        exe = shutil.which("vllm")
-        a.vllm_cmd = (
-            shlex.quote(exe)
-            if exe
-            else f"{shlex.quote(sys.executable)} -m vllm.entrypoints.cli.main"
-        )
+        a.vllm_cmd = default_vllm_cmd()
     return a
 
 

@@ -14,9 +14,11 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +114,15 @@ class ServerSpec:
     client_s: float | None = None
     exit_code: int | None = None
     version: str | None = None
+
+
+def default_vllm_cmd() -> str:
+    """The command that takes ``serve MODEL ...``: ``vllm`` on PATH, else
+    this Python's ``-m vllm.entrypoints.cli.main``."""
+    exe = shutil.which("vllm")
+    if exe:
+        return shlex.quote(exe)
+    return f"{shlex.quote(sys.executable)} -m vllm.entrypoints.cli.main"
 
 
 def free_port(start: int) -> int:

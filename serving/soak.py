@@ -19,11 +19,11 @@ In order (the servers through ``serving.servers``, as ``serve_check``):
    (``n=2``, seeded), 7 structured output (a regex, with the fast-apply
    prompts), 9 a client that disconnects after the first streamed chunk;
    the rest greedy as they are. Every ``--sample-s`` seconds it samples the
-   candidate's host memory (RSS of its process group, from ``/proc``), its
+   candidate's host memory (RSS of the server and its processes, psutil), its
    GPU memory (``nvidia-smi``, where there is one) and the requests done;
 3. with ``--fault kill-engine``: after ``--kill-after`` requests have
-   completed, SIGKILLs the candidate's engine-core process (a process of its
-   group whose command line names ``EngineCore``), waits until every request
+   completed, SIGKILLs the candidate's engine-core process (a process under
+   it whose command line names ``EngineCore``), waits until every request
    in flight has ended and the API server is no longer healthy (each wait
    bounded by ``--fault-timeout``, a hang guard), launches the candidate
    again and sends it ``--replay`` greedy requests that completed before the
@@ -53,7 +53,9 @@ fault, explicit errors also fail the soak.
 
 Why by hand: ``vllm bench serve`` measures speed with one kind of request
 and neither disconnects, compares outputs, nor kills the engine; this
-reuses ``serve_check``'s parts (launch, client, metrics, comparison).
+reuses ``serve_check``'s parts (launch, client, metrics, comparison),
+psutil for the server's processes and prometheus_client's parser for
+``/metrics``.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ from .servers import (
     QWEN35_ENGINE_ARGS,
     ServerSpec,
     add_server_args,
+    default_vllm_cmd,
     launch,
     log_tail,
     name_values,
@@ -187,46 +190,43 @@ async def send_n2(session, url: str, sr: SoakRequest, body: dict) -> dict:
 # the candidate's processes
 
 
-def group_pids(pgid: int) -> list[int]:
-    """The live processes of a process group (from /proc)."""
+def server_processes(pid: int) -> list:
+    """A server and every process under it (psutil; the engine core is one
+    of them)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def server_pids(pid: int) -> list[int]:
+    return [p.pid for p in server_processes(pid)]
+
+
+def engine_pids(pid: int) -> list[int]:
+    """The engine-core processes under a server: vLLM names them
+    ``VLLM::EngineCore...`` (process title)."""
+    import psutil
+
     out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            # pid (comm) state ppid pgrp ...: comm may hold spaces
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid:
-                out.append(int(d.name))
-        except (OSError, IndexError, ValueError):
-            continue
+    for p in server_processes(pid)[1:]:
+        with contextlib.suppress(psutil.Error):
+            if "EngineCore" in " ".join(p.cmdline()):
+                out.append(p.pid)
     return out
 
 
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
+def rss_mib(pid: int) -> float:
+    import psutil
 
-
-def engine_pids(pgid: int) -> list[int]:
-    """The engine-core processes of a server's group: vLLM names them
-    ``VLLM::EngineCore...`` (process title)."""
-    return [p for p in group_pids(pgid) if p != pgid and "EngineCore" in cmdline(p)]
-
-
-def rss_mib(pgid: int) -> float:
     total = 0
-    for pid in group_pids(pgid):
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except (OSError, ValueError):
-            continue
-    return round(total / 1024, 1)
+    for p in server_processes(pid):
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return round(total / (1 << 20), 1)
 
 
 def gpu_mib(pids: list[int]) -> float | None:
@@ -255,12 +255,14 @@ def gpu_mib(pids: list[int]) -> float | None:
 
 def counter(text: str, name: str) -> float:
     """A Prometheus counter summed over its label sets."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            with contextlib.suppress(ValueError):
-                total += float(line.rsplit(None, 1)[1])
-    return total
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        smp.value
+        for fam in text_string_to_metric_families(text or "")
+        for smp in fam.samples
+        if smp.name == name
+    )
 
 
 async def get_text(session, url: str) -> tuple[int, str]:
@@ -317,7 +319,7 @@ async def run_load(a, cand: ServerSpec, pool, log) -> dict:
         return a.requests <= 0 or started < a.requests
 
     async def sample():
-        pids = group_pids(cand.proc.pid) if cand.proc else []
+        pids = server_pids(cand.proc.pid) if cand.proc else []
         samples.append(
             {
                 "t": round(time.monotonic() - t0, 2),
@@ -409,7 +411,7 @@ async def kill_engine(a, cand: ServerSpec, session, in_flight: set, log) -> dict
     pids = engine_pids(cand.proc.pid)
     out: dict = {"engine_pids": pids, "in_flight_at_kill": len(in_flight)}
     if not pids:
-        out["error"] = "no EngineCore process in the candidate's group"
+        out["error"] = "no EngineCore process under the candidate"
         return out
     for p in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -545,12 +547,7 @@ def parse_args(argv):
     if a.duration <= 0 and a.requests <= 0:
         ap.error("give --duration or --requests")
     if a.vllm_cmd is None:
-        exe = shutil.which("vllm")
-        a.vllm_cmd = (
-            shlex.quote(exe)
-            if exe
-            else f"{shlex.quote(sys.executable)} -m vllm.entrypoints.cli.main"
-        )
+        a.vllm_cmd = default_vllm_cmd()
     return a
 
 
