@@ -114,6 +114,31 @@ def wait_until_healthy(
         time.sleep(0.1)
 
 
+def fake_output(tokens: list[int], logprobs, second: float = -3.0):
+    """A stand-in for one completion of vLLM's ``RequestOutput``, as
+    ``harness.equivalence.generate`` returns them: its token ids and, where
+    log-probabilities were asked for, each position's token at -0.1 and the
+    next id at ``second``."""
+    from types import SimpleNamespace
+
+    lps = None
+    if logprobs:
+        lps = [
+            {t: SimpleNamespace(logprob=-0.1), t + 1: SimpleNamespace(logprob=second)}
+            for t in tokens
+        ]
+    completion = SimpleNamespace(token_ids=tokens, logprobs=lps)
+    return SimpleNamespace(outputs=[completion], prompt_logprobs=None)
+
+
+def greedy_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto"):
+    """A stand-in for ``harness.equivalence.teacher_forced`` under which
+    every token of every sequence is the reference's decisive top choice."""
+    from harness.compare import Position
+
+    return [[Position(t, 0, 3.0) for t in c] for _, c in seqs]
+
+
 def free_port() -> int:
     """A free local port (below 64001, so that a few consecutive ones after
     it exist)."""

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import fake_output
 
 from harness import fp8
 
@@ -150,21 +151,11 @@ def test_run_cells_runs_and_verifies_fp8_cells_on_the_fp8_copy(tmp_path, monkeyp
 
     seen: list[tuple[str, str]] = []
 
-    class LP:
-        def __init__(self, v):
-            self.logprob = v
-
-    class Out:
-        def __init__(self, toks, logprobs):
-            lps = [{t: LP(-0.1), t + 1: LP(-3.0)} for t in toks] if logprobs else None
-            self.outputs = [type("C", (), {"token_ids": toks, "logprobs": lps})()]
-            self.prompt_logprobs = None
-
     def fake_generate(cell, model_dir, waves, logprobs, batches=None):
         seen.append(("generate", model_dir))
         kw = eq.engine_kwargs(cell, model_dir, eq.spec_config(cell))
         assert kw["dtype"] == "bfloat16"
-        return [Out([1, 2, 3], logprobs) for w in waves for _ in w], {}
+        return [fake_output([1, 2, 3], logprobs) for w in waves for _ in w], {}
 
     def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto"):
         seen.append(("forced", model_dir))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import fake_output, greedy_forced
 
 from harness.compare import CellSummary, Position, noise, verify
 from harness.drafter import (
@@ -953,24 +954,12 @@ def test_stop_cells_share_their_stop_ids_with_their_own_reference(
 
     seen = []
 
-    class LP:
-        def __init__(self, v):
-            self.logprob = v
-
-    class Out:
-        def __init__(self, toks, logprobs):
-            lps = [{t: LP(-0.1), t + 1: LP(-3.0)} for t in toks] if logprobs else None
-            self.outputs = [type("C", (), {"token_ids": toks, "logprobs": lps})()]
-
     def fake_generate(cell, model_dir, waves, logprobs, batches=None):
         seen.append((cell.drafter, eq.request_kwargs(cell)))
-        return [Out([1, 2, 3], logprobs) for w in waves for _ in w], {}
-
-    def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto"):
-        return [[Position(t, 0, 3.0) for t in c] for _, c in seqs]
+        return [fake_output([1, 2, 3], logprobs) for w in waves for _ in w], {}
 
     monkeypatch.setattr(eq, "generate", fake_generate)
-    monkeypatch.setattr(eq, "teacher_forced", fake_forced)
+    monkeypatch.setattr(eq, "teacher_forced", greedy_forced)
     monkeypatch.setattr(
         "harness.models.write_model", lambda kind, out, seed=0: str(out)
     )
@@ -1016,21 +1005,12 @@ def test_regex_cells_are_judged_by_their_own_reference_run(tmp_path, monkeypatch
     the plain cells beside it."""
     import harness.equivalence as eq
 
-    class LP:
-        def __init__(self, v):
-            self.logprob = v
-
-    class Out:
-        def __init__(self, toks, logprobs):
-            lps = [{t: LP(-0.1), t + 1: LP(-6.0)} for t in toks] if logprobs else None
-            self.outputs = [type("C", (), {"token_ids": toks, "logprobs": lps})()]
-
     def fake_generate(cell, model_dir, waves, logprobs, batches=None):
         # under the grammar the masked greedy choice is another token
         toks = [100, 101, 102] if cell.request == "regex" else [10, 11, 12]
         if cell.drafter == "mtp":
             toks = [100, 103, 102]  # the "bug": a masked-greedy token changed
-        return [Out(list(toks), logprobs) for w in waves for _ in w], {}
+        return [fake_output(list(toks), logprobs, -6.0) for w in waves for _ in w], {}
 
     def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto"):
         # unmasked teacher forcing prefers token 200, which the grammar masks
@@ -1095,26 +1075,14 @@ def test_multi_turn_cells_continue_each_previous_wave(tmp_path, monkeypatch):
     fresh tokens; the candidate gets the same four waves in one engine."""
     import harness.equivalence as eq
 
-    class LP:
-        def __init__(self, v):
-            self.logprob = v
-
-    class Out:
-        def __init__(self, toks, logprobs):
-            lps = [{t: LP(-0.1), t + 1: LP(-6.0)} for t in toks] if logprobs else None
-            self.outputs = [type("C", (), {"token_ids": toks, "logprobs": lps})()]
-
     calls = []
 
     def fake_generate(cell, model_dir, waves, logprobs, batches=None):
         calls.append((cell.drafter, [len(w) for w in waves], waves))
-        return [Out([3, 4, 5, 6], logprobs) for w in waves for _ in w], {}
-
-    def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto"):
-        return [[Position(t, 0, 3.0) for t in c] for _, c in seqs]
+        return [fake_output([3, 4, 5, 6], logprobs, -6.0) for w in waves for _ in w], {}
 
     monkeypatch.setattr(eq, "generate", fake_generate)
-    monkeypatch.setattr(eq, "teacher_forced", fake_forced)
+    monkeypatch.setattr(eq, "teacher_forced", greedy_forced)
     monkeypatch.setattr(
         "harness.models.write_model", lambda kind, out, seed=0: str(out)
     )
