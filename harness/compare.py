@@ -89,11 +89,18 @@ def verify(
     candidate: Sequence[int],
     tie_margin: float,
     expected_len: int | None = None,
+    ref_tokens: Sequence[int] | None = None,
 ) -> Verification:
     """Judge every candidate token against the teacher-forced reference.
 
     With ``expected_len`` (the reference run's output length), a candidate
-    that stops early or runs long counts as one more divergence there."""
+    that stops early or runs long counts as one more divergence there. With
+    the reference run's tokens (``ref_tokens``) too, that happens only when
+    the two agree on every token up to where the shorter one ends, so that
+    the candidate stopped where the reference went on or went on where it
+    stopped; a length that differs after a tie (the candidate took the other
+    side of a near-tie, e.g. instead of a stop token) is the tie's
+    consequence, already judged."""
     if len(reference) != len(candidate):
         raise ValueError(f"{len(reference)} positions for {len(candidate)} tokens")
     div = ties = 0
@@ -120,15 +127,25 @@ def verify(
         if first is None:
             first = {"position": i, "margin": margin, "expected": ref.token,
                      "got": tok}  # fmt: skip
+    if ref_tokens is not None:
+        expected_len = len(ref_tokens)
     if expected_len is not None and len(candidate) != expected_len:
-        div += 1
-        if first is None:
+        n = min(len(candidate), expected_len)
+        same = ref_tokens is None or list(candidate[:n]) == list(ref_tokens[:n])
+        if same:
+            div += 1
+        if same and first is None:
             first = {
-                "position": min(len(candidate), expected_len),
+                "position": n,
                 "margin": None,
                 "expected": f"{expected_len} tokens",
                 "got": len(candidate),
             }
+            if ref_tokens is not None:
+                # the tokens where one stopped and the other went on
+                first["last_common"] = list(ref_tokens[max(0, n - 3) : n])
+                first["reference_next"] = list(ref_tokens[n : n + 3])
+                first["candidate_next"] = list(candidate[n : n + 3])
     return Verification(len(candidate), div, ties, first, worst, tuple(margins))
 
 

@@ -812,8 +812,8 @@ def run_cells(
                 if row.get("sampling"):
                     v = sampled.verify_support(pos, cand, row["sampling"], margin)
                 else:
-                    ref_len = len(refs[items[key][3]][1][i])
-                    v = verify(pos, cand, margin, expected_len=ref_len)
+                    ref_toks = refs[items[key][3]][1][i]
+                    v = verify(pos, cand, margin, ref_tokens=ref_toks)
                 summaries[key].add_verification(i, v)
         for (row, *_), s, d in zip(items, summaries, drifts, strict=True):
             row.update(
@@ -1108,6 +1108,30 @@ def slice_cells(name: str) -> list[Cell]:
             Cell(m, "ngram:acceptance", 64, 8, "v1"),
             Cell("nemotron_h", "ngram:acceptance", 64, 8, "v1", "align"),
         ]
+    if name == "flashinfer":
+        # the kernels a Hopper user gets by default instead of the Triton
+        # fallbacks every other cell forces: FlashInfer's chunked GDN
+        # prefill (in align mode it also hands out the mid-prefill states
+        # that prefix caching keeps, a path of its own), FA3 or FlashInfer
+        # attention; n-gram k=64, GPU n-gram, MTP; both runners; the
+        # reference runs the same kernels without speculation
+        fa, fp = FASTAPPLY, "full_and_piecewise"
+        fi = {"gdn_prefill_backend": "flashinfer", "attention_backend": "FLASHINFER"}
+        fa3 = {"gdn_prefill_backend": "flashinfer", "attention_backend": "FLASH_ATTN"}
+        return [
+            Cell(fa, "ngram", 64, 8, "v1", max_tokens=128, extra=fi),
+            Cell(fa, "ngram", 64, 16, "v1", "align", chunked=True,
+                 max_tokens=128, extra=fa3),
+            Cell(fa, "ngram_gpu", 8, 16, "default", "align", fp,
+                 async_sched=True, max_tokens=128, extra=fa3),
+            Cell(fa, "mtp", 3, 8, "v1", max_tokens=128, extra=fi),
+            Cell(fa, "mtp", 3, 16, "default", "align", fp, async_sched=True,
+                 chunked=True, max_tokens=128, extra=fa3),
+            Cell(fa, "mtp", 3, 8, "mrv2", "align", max_tokens=128, extra=fi),
+            Cell("qwen3_5", "mtp", 3, 8, "default", "align", fp,
+                 async_sched=True, extra=fa3),
+            Cell("qwen3_next", "mtp", 3, 8, "v1", "align", extra=fa3),
+        ]  # fmt: skip
     if name == "fuzz-regressions":
         # the fuzzer's shrunk failing configurations (harness.fuzz), each
         # file's "cell": harness/regressions/*.json

@@ -81,6 +81,20 @@ fi
 rm -rf "$TARGET"
 mv "$NEW" "$TARGET"
 TARGET=$(cd "$TARGET" && pwd)
+# pip --target does not make deps a site directory, so the .pth files wheels
+# put there are never read (nvidia-cutlass-dsl puts its `cutlass` package on
+# sys.path with one): run them once here, as site does for a site directory,
+# and add the paths they add to env.sh's PYTHONPATH
+PTH_PATHS=$(cd / && PYTHONPATH="$TARGET/site:$TARGET/deps" "$PY" - "$TARGET/deps" <<'EOF'
+import site
+import sys
+
+deps = sys.argv[1]
+before = list(sys.path)
+site.addsitedir(deps)
+print(":".join(p for p in sys.path if p not in before and p != deps))
+EOF
+)
 mkdir -p "$TARGET/bin"
 cat >"$TARGET/bin/vllm" <<EOF
 #!/usr/bin/env bash
@@ -92,7 +106,7 @@ cat >"$TARGET/env.sh" <<EOF
 # source this file to use the vllm-hybrid-spec bundle
 # the line of the bundle: hsfork's tools pick its patch series
 export HSFORK_BASE="$BASE_VERSION"
-export PYTHONPATH="$TARGET/site:$TARGET/deps:$TARGET/repo\${PYTHONPATH:+:\$PYTHONPATH}"
+export PYTHONPATH="$TARGET/site:$TARGET/deps:${PTH_PATHS:+$PTH_PATHS:}$TARGET/repo\${PYTHONPATH:+:\$PYTHONPATH}"
 export PATH="$TARGET/bin:$TARGET/deps/bin:\$PATH"
 export HSFORK_BUNDLE="$TARGET"
 export VLLM_USE_FLASHINFER_SAMPLER=0

@@ -25,6 +25,8 @@ request in four (by prompt hash) it emits the second choice at output
 position 5, where the gap is decisive. ``--fake-perturb ties`` emits the
 second choice at every tie position (a harmless divergence), and
 ``--fake-perturb fail`` answers one request in four with HTTP 500.
+``--fake-restart-perturb PERTURB MARKER`` perturbs only a server started
+again (after a kill: the marker file exists).
 ``--fake-startup-s`` delays ``/health``; ``--fake-exit-s`` makes the server
 exit early (a crash), and ``--fake-crash-on-request`` makes it exit at its
 first generation request (a crash that no timing can hide).
@@ -46,6 +48,7 @@ import os
 import sys
 import time
 import zlib
+from pathlib import Path
 
 V = 1000
 EOS_FA = 255
@@ -140,17 +143,31 @@ class Server:
     def __init__(self, a: argparse.Namespace, spec: dict | None):
         self.a = a
         self.spec = spec
-        self.model = FakeModel(a.fake_mode, a.fake_perturb)
+        perturb = a.fake_perturb
+        if a.fake_restart_perturb:
+            # a server started again (its marker file exists) perturbs as
+            # asked: a restart that answers otherwise than before
+            marker = Path(a.fake_restart_perturb[1])
+            if marker.exists():
+                perturb = a.fake_restart_perturb[0]
+            marker.touch()
+        self.model = FakeModel(a.fake_mode, perturb)
         self.t0 = time.time()
         self.counters = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
         self.per_pos: dict[int, int] = {}
         self.gen_tokens = 0
+        self.answered = 0
+        self.preemptions = 0
         self.n = 0
 
     def _count(self, n_tokens: int) -> None:
         """Spec-decode counters as if every 4 tokens were one step with k
         drafts of which 3 were accepted."""
         self.gen_tokens += n_tokens
+        self.answered += 1
+        every = self.a.fake_preempt_every
+        if every and self.answered % every == 0:
+            self.preemptions += 1
         if not self.spec:
             return
         k = int(self.spec.get("num_speculative_tokens", 1))
@@ -167,6 +184,8 @@ class Server:
         lines = [
             "# TYPE vllm:generation_tokens_total counter",
             f"vllm:generation_tokens_total{{{lab}}} {float(self.gen_tokens)}",
+            "# TYPE vllm:num_preemptions_total counter",
+            f"vllm:num_preemptions_total{{{lab}}} {float(self.preemptions)}",
         ]
         if self.spec:
             c = self.counters
@@ -276,6 +295,20 @@ def _parse(argv):
     ap.add_argument("--fake-crash-on-request", action="store_true")
     ap.add_argument("--fake-engine-child", action="store_true")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument(
+        "--fake-restart-perturb",
+        nargs=2,
+        metavar=("PERTURB", "MARKER"),
+        default=None,
+        help="perturb as PERTURB when started again (MARKER: a file written at "
+        "the first start)",
+    )
+    ap.add_argument(
+        "--fake-preempt-every",
+        type=int,
+        default=0,
+        help="count a preemption every N answers (vllm:num_preemptions_total)",
+    )
     ap.add_argument(
         "--fake-no-validation",
         action="store_true",

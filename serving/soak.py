@@ -8,9 +8,10 @@ the soak and fault checks of a speculative server (issue: reliability).
 
 In order (the servers through ``serving.servers``, as ``serve_check``):
 
-1. launches the reference (first ``--server``, normally without
-   speculation) and the candidate, waits for ``/health``, scrapes
-   ``/metrics``;
+1. launches the candidate, waits for ``/health``, scrapes ``/metrics``, then
+   launches the reference (first ``--server``, normally without
+   speculation), which starts while the load runs (servers that start
+   together compete for the host's cores while they compile);
 2. **load** on the candidate: ``--clients`` concurrent clients, each sending
    one request after another until ``--duration`` seconds or ``--requests``
    requests have started. Request ``i`` is the prompt set's request ``i``
@@ -297,13 +298,16 @@ def memory_flat(samples: list[dict], tolerance: float) -> dict:
 # the load
 
 
-async def run_load(a, cand: ServerSpec, pool, log) -> dict:
+async def run_load(a, cand: ServerSpec, pool, log, deadline: float = math.inf) -> dict:
     """Clients against the candidate until the duration or request count;
-    the fault in the middle where asked."""
+    the fault in the middle where asked. No request starts later than
+    ``--check-reserve`` seconds before the deadline: the checks after the
+    load need that time (``load_s`` in the report says how long it ran)."""
     import aiohttp
 
     t0 = time.monotonic()
     end = t0 + a.duration if a.duration > 0 else math.inf
+    end = min(end, deadline - a.check_reserve)
     started = done = 0
     results: dict[int, dict] = {}
     samples: list[dict] = []
@@ -456,6 +460,36 @@ async def replay(url: str, model: str, items, concurrency: int, logprobs: bool):
         return await asyncio.gather(*(one(sr) for sr in items))
 
 
+def judge_restart(fault, greedy, items, ref_res, results, a, ref_url, deadline):
+    """Rows (serving.compare) of the replayed requests whose answer after
+    the restart differs from the one before the kill, judged against the
+    reference server's answers: teacher-forced by the reference, structured
+    output at its first difference."""
+    pos_of = {i: p for p, i in enumerate(greedy)}
+    # a differing answer with no reference answer to judge it by is an error
+    unjudged = [
+        {"idx": i, "status": "error", "error": "no reference answer"}
+        for i in fault["restart_results"]
+        if i not in pos_of
+    ]
+    again = [(i, g) for i, g in fault["restart_results"].items() if i in pos_of]
+    if not again:
+        return unjudged
+    reqs = [items[pos_of[i]].req for i, _ in again]
+    refs = [ref_res[pos_of[i]] for i, _ in again]
+    cands = [g for _, g in again]
+    rows = compare(reqs, refs, cands, a.tie_margin)
+    for pos, (row, (i, _)) in enumerate(zip(rows, again, strict=True)):
+        row["idx_pos"] = pos
+        row["feature"] = items[pos_of[i]].feature
+    plain = [r for r in rows if r["feature"] != "regex"]
+    asyncio.run(
+        rescore(ref_url, a.served_name, plain, refs, cands, a.tie_margin, deadline)
+    )
+    finalize(rows)
+    return rows + unjudged
+
+
 def judge(rows: list[dict]) -> dict:
     return {
         s: sum(r["status"] == s for r in rows)
@@ -529,10 +563,23 @@ def parse_args(argv):
     )
     ap.add_argument("--replay", type=int, default=64)
     ap.add_argument("--ref-concurrency", type=int, default=64)
+    ap.add_argument(
+        "--bad-requests",
+        action="store_true",
+        help="after the load, send the candidate serving.bad_requests' malformed "
+        "requests (each must get a 4xx; bad_requests.md); the alive check follows",
+    )
     ap.add_argument("--expect-preemption", action="store_true")
     ap.add_argument("--mem-tolerance", type=float, default=0.05)
     ap.add_argument("--tie-margin", type=float, default=TIE_MARGIN)
     ap.add_argument("--deadline", type=float, default=0.0, help="0: none")
+    ap.add_argument(
+        "--check-reserve",
+        type=float,
+        default=120.0,
+        help="seconds before the deadline at which the load stops starting "
+        "requests (the reference replay and the judging follow)",
+    )
     ap.add_argument("--vllm-cmd", default=None)
     add_server_args(
         ap,
@@ -579,17 +626,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     report: dict = {"schema": "hsfork-soak/1", "config": vars(a).copy()}
     try:
-        for s in (ref, cand):
-            launch(a, s, out / "logs")
-            log(f"[soak] launched {s.name} on {s.url}")
-        failed = asyncio.run(wait_ready([ref, cand], deadline, log))
-        if failed:
-            raise CheckError(
-                f"not ready: {failed}\n"
-                + log_tail((ref if ref.name in failed else cand).log)
-            )
+        # the candidate starts alone (servers that start together compete
+        # for the host's cores while they compile); the reference, needed
+        # only after the load, starts when the load does
+        launch(a, cand, out / "logs")
+        log(f"[soak] launched {cand.name} on {cand.url}")
+        if asyncio.run(wait_ready([cand], deadline, log)):
+            raise CheckError(f"not ready: {cand.name}\n" + log_tail(cand.log))
+        launch(a, ref, out / "logs")
+        log(f"[soak] launched {ref.name} on {ref.url}")
         before = asyncio.run(_metrics_text(cand.url))
-        load = asyncio.run(run_load(a, cand, pool, log))
+        load = asyncio.run(run_load(a, cand, pool, log, deadline))
         results = load["results"]
         fault = load["fault"]
         if a.fault and fault.get("engine_pids"):
@@ -620,6 +667,24 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 fault["replayed"] = len(early)
                 fault["identical_after_restart"] = same
+                fault["restart_results"] = {
+                    i: g
+                    for i, g in zip(early, got, strict=True)
+                    if g.get("error") is not None
+                    or g["token_ids"] != results[i]["token_ids"]
+                    or g["text"] != results[i]["text"]
+                }
+        bad = None
+        if a.bad_requests:
+            from serving import bad_requests
+
+            bad = asyncio.run(
+                bad_requests.run(
+                    cand.url, a.served_name, a.max_model_len, a.fault_timeout
+                )
+            )
+            (out / "bad_requests.md").write_text(bad_requests.markdown(bad))
+            log(f"[soak] malformed requests: {bad['verdict']}")
         status, text = asyncio.run(_status_metrics(cand.url))
         alive = status == 200
         after = parse_metrics(text) if text else None
@@ -652,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
             and soak_request(pool, i, a.prompts).greedy
         ]
         items = [soak_request(pool, i, a.prompts) for i in greedy]
+        if asyncio.run(wait_ready([ref], deadline, log)):
+            raise CheckError(f"not ready: {ref.name}\n" + log_tail(ref.log))
         log(f"[soak] replaying {len(items)} greedy requests on {ref.name}")
         ref_res = asyncio.run(
             replay(ref.url, a.served_name, items, a.ref_concurrency, True)
@@ -667,12 +734,27 @@ def main(argv: list[str] | None = None) -> int:
                 ref.url, a.served_name, plain, ref_res, cand_res, a.tie_margin, deadline
             )  # fmt: skip
         )
-        finalize(plain)
+        # structured output: teacher forcing does not see the grammar, so
+        # such a request is judged at its first difference only, from the
+        # reference run's own top-2 (a tie when the candidate took the
+        # reference's second choice within the margin; later positions have
+        # another context)
+        finalize(rows)
         for r in rows:
-            if r["feature"] == "regex" and r["status"] == "differs":
-                # teacher forcing does not see the grammar: exact or nothing
-                r.update(status="diverged", judged="structured output: exact")
+            if r["feature"] == "regex" and r.get("judged"):
+                r["judged"] = "structured output: first difference"
         counts = judge(rows)
+        if fault.get("restart_results"):
+            # the restarted server against the pre-kill answers: a request
+            # that came back otherwise is judged against the reference as
+            # the candidate's answers are (a near-tie can go the other way
+            # in another batch)
+            restart_rows = judge_restart(
+                fault, greedy, items, ref_res, results, a, ref.url, deadline
+            )
+            fault.pop("restart_results")
+            fault["restart_judged"] = judge(restart_rows)
+            fault["restart_rows"] = [r for r in restart_rows if r["status"] != "match"]
         mem = memory_flat(load["samples"], a.mem_tolerance)
         checks = {
             "no_request_lost": kinds.get("lost", 0) == 0,
@@ -686,12 +768,16 @@ def main(argv: list[str] | None = None) -> int:
             checks["memory_flat"] = mem["flat"]
         if a.expect_preemption:
             checks["preempted"] = preemptions > 0
+        if bad is not None:
+            checks["malformed_requests_4xx"] = bad["verdict"] == "PASS"
         if a.fault:
             checks["engine_killed"] = bool(fault.get("engine_pids"))
             checks["in_flight_ended"] = bool(fault.get("in_flight_ended"))
             checks["health_failed"] = bool(fault.get("health_failed"))
+            rj = fault.get("restart_judged") or {}
             checks["restart_identical"] = bool(fault.get("replayed")) and (
                 fault.get("identical_after_restart") == fault.get("replayed")
+                or (rj.get("diverged", 1) == 0 and rj.get("error", 1) == 0)
             )
         else:
             checks["no_error"] = kinds.get("error", 0) == 0
@@ -712,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
             memory=mem,
             samples=load["samples"],
             fault=fault,
+            bad_requests=bad,
             results={
                 str(i): {
                     "feature": soak_request(pool, i, a.prompts).feature,

@@ -33,12 +33,21 @@ def _fake_fork_wheel(path: Path) -> Path:
     return path
 
 
-def _fake_dep_wheel(d: Path, name: str) -> Path:
+def _fake_dep_wheel(d: Path, name: str, pth: bool = False) -> Path:
     d.mkdir(exist_ok=True)
     p = d / f"{name}-1.0-py3-none-any.whl"
     di = f"{name}-1.0.dist-info"
     with zipfile.ZipFile(p, "w") as z:
         z.writestr(f"{name}/__init__.py", "VALUE = 42\n")
+        if pth:
+            # as nvidia-cutlass-dsl ships its `cutlass` package: a folder
+            # that a .pth file puts on sys.path
+            z.writestr(f"{name}/dsl_packages/{name}_inner/__init__.py", "VALUE = 7\n")
+            z.writestr(
+                f"{name}_packages.pth",
+                f"import sys, os, {name}; sys.path.insert(0, "
+                f"os.path.join({name}.__path__[0], 'dsl_packages'))\n",
+            )
         z.writestr(
             f"{di}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n"
         )
@@ -53,7 +62,10 @@ def _fake_dep_wheel(d: Path, name: str) -> Path:
 @pytest.fixture
 def bundle(tmp_path):
     wheel = _fake_fork_wheel(tmp_path / f"vllm-{VERSION}-cp38-abi3-linux_x86_64.whl")
-    deps = [_fake_dep_wheel(tmp_path / "deps", n) for n in ("hsdep_one", "hsdep_two")]
+    deps = [
+        _fake_dep_wheel(tmp_path / "deps", "hsdep_one"),
+        _fake_dep_wheel(tmp_path / "deps", "hsdep_two", pth=True),
+    ]
     tests = tmp_path / "ourtests"
     tests.mkdir()
     (tests / "test_gpu.py").write_text("def test(): pass\n")
@@ -114,20 +126,23 @@ def test_roundtrip_install(bundle, tmp_path):
                 assert installed.read_bytes() == z.read(name), name
     assert (target / "repo" / "tests" / "test_gpu.py").exists()
     env_sh = (target / "env.sh").read_text()
-    assert f"{target}/site:{target}/deps:{target}/repo" in env_sh
+    assert f"{target}/site:{target}/deps:" in env_sh
+    assert f"{target}/deps/hsdep_two/dsl_packages:{target}/repo" in env_sh
     assert "VLLM_USE_FLASHINFER_SAMPLER=0" in env_sh
     check = subprocess.run(
         [
             "bash",
             "-c",
             f"source {target}/env.sh && cd / && "
-            f"{sys.executable} -c 'import hsdep_one, hsdep_two; "
-            "print(hsdep_one.VALUE)'",
+            f"{sys.executable} -c 'import hsdep_one, hsdep_two, hsdep_two_inner; "
+            "print(hsdep_one.VALUE, hsdep_two_inner.VALUE)'",
         ],
         capture_output=True,
         text=True,
     )
-    assert check.stdout.strip() == "42", check.stderr
+    # the .pth file's folder is on the path: installed with --target, deps
+    # is not a site directory
+    assert check.stdout.strip() == "42 7", check.stderr
     assert not list(tmp_path.glob("target.install-*"))  # temp folder cleaned
 
 

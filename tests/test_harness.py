@@ -62,6 +62,31 @@ def test_length_mismatch_is_a_bug():
     assert verify(_ref([1, 2]), [1, 2], 0.05, expected_len=2).status == "match"
 
 
+def test_a_candidate_that_does_not_stop_where_the_reference_stopped_diverges():
+    """The reference run stopped on token 7 (a stop token id); a candidate
+    with the same tokens that goes on is a bug, reported with the tokens
+    where the two part."""
+    v = verify(_ref([1, 7, 4, 4]), [1, 7, 4, 4], 0.05, ref_tokens=[1, 7])
+    assert (v.status, v.divergences) == ("diverged", 1)
+    assert v.first["position"] == 2 and v.first["margin"] is None
+    assert v.first["last_common"] == [1, 7] and v.first["candidate_next"] == [4, 4]
+    # stopping early where the reference went on, too
+    v = verify(_ref([1, 2]), [1, 2], 0.05, ref_tokens=[1, 2, 3])
+    assert (v.status, v.first["reference_next"]) == ("diverged", [3])
+
+
+def test_a_length_that_differs_after_a_tie_is_the_tie():
+    """The reference took token 7 (a stop token) at a near-tie and stopped;
+    the candidate took the other side (8) and went on: one tie, no
+    divergence, though the lengths differ."""
+    ref = _ref([1, 7, 5, 5], gaps=[5, 0.01, 5, 5])
+    v = verify(ref, [1, 8, 5, 5], 0.05, ref_tokens=[1, 7])
+    assert (v.status, v.divergences, v.ties) == ("tie", 0, 1)
+    # the same length difference without the tie is a bug
+    v = verify(_ref([1, 7, 5, 5]), [1, 8, 5, 5], 0.05, ref_tokens=[1, 7])
+    assert v.status == "diverged"
+
+
 def test_position_from_logprobs():
     p = Position.from_logprobs(5, {5: -0.1, 9: -2.1, 3: -4.0})
     assert (p.token, p.second) == (5, 9)
@@ -662,6 +687,28 @@ def test_draft_length_slice_asks_for_the_acceptance_policy(line):
         assert config["method"] == "ngram"
         assert config["draft_length_policy"] == "acceptance"
         assert SpeculativeConfig(**config).draft_length_policy == "acceptance"
+
+
+def test_flashinfer_slice_asks_for_the_hopper_defaults(line):
+    """The flashinfer slice's cells override the Triton fallbacks every other
+    cell forces: FlashInfer's GDN prefill, FA3 or FlashInfer attention, in
+    none and align mode, on both runners; the other engine arguments stay
+    the harness's."""
+    from harness.equivalence import FASTAPPLY, engine_kwargs, slice_cells, spec_config
+
+    cells = slice_cells("flashinfer")
+    assert {c.cache_mode for c in cells} == {"none", "align"}
+    assert {c.runner for c in cells} >= {"v1", "default"}
+    assert {c.drafter for c in cells} >= {"ngram", "mtp"}
+    for cell in cells:
+        kw = engine_kwargs(cell, "/m", spec_config(cell))
+        assert kw["gdn_prefill_backend"] == "flashinfer"
+        assert kw["attention_backend"] in ("FLASHINFER", "FLASH_ATTN")
+        assert kw["enable_prefix_caching"] is (cell.cache_mode == "align")
+        # the cell key names the kernels: a report row says what ran
+        assert cell.key()["engine"]["gdn_prefill_backend"] == "flashinfer"
+    assert any(c.model == FASTAPPLY and c.cache_mode == "align" and c.chunked
+               for c in cells)  # fmt: skip
 
 
 def test_budget_probe_slice(line):

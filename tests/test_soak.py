@@ -18,6 +18,8 @@ from serving import soak
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 FAKE = f"{PY} -m serving.fake_server --fake-mode fastapply"
+# a model with near-ties (the fast-apply fake has none)
+TIES = f"{PY} -m serving.fake_server --fake-mode model"
 
 
 def _soak(tmp_path, *args):
@@ -43,7 +45,7 @@ def _soak(tmp_path, *args):
 
 
 def test_mixed_load_passes_against_a_right_candidate(tmp_path):
-    proc, r, out = _soak(tmp_path)
+    proc, r, out = _soak(tmp_path, "--bad-requests")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert r["verdict"] == "PASS" and all(r["checks"].values())
     assert r["started"] == 80
@@ -59,6 +61,21 @@ def test_mixed_load_passes_against_a_right_candidate(tmp_path):
     assert r["memory"]["judged"] is False
     assert (out / "soak.png").stat().st_size > 0
     assert "# Soak: PASS" in (out / "soak.md").read_text()
+    # the malformed requests after the load: each a 4xx, the server alive
+    assert r["checks"]["malformed_requests_4xx"] is True
+    assert r["bad_requests"]["healthy_after"] is True
+    assert "# Malformed requests: PASS" in (out / "bad_requests.md").read_text()
+
+
+def test_a_candidate_that_answers_malformed_requests_with_5xx_fails(tmp_path):
+    proc, r, out = _soak(
+        tmp_path, "--bad-requests", "--requests", "16",
+        "--server-args", "cand=--fake-no-validation",
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert r["checks"]["malformed_requests_4xx"] is False
+    assert r["checks"]["no_divergence"] is True
+    assert "5xx **unexpected**" in (out / "bad_requests.md").read_text()
 
 
 def test_a_decisive_divergence_fails_the_soak(tmp_path):
@@ -96,6 +113,47 @@ def test_killing_the_engine_core_mid_load(tmp_path):
     assert r["started"] < 80
 
 
+def test_ties_pass_the_soak_structured_output_included(tmp_path):
+    """A candidate that takes the other side of every near-tie: each differing
+    request is a tie, those with structured output judged at their first
+    difference from the reference run's own top-2."""
+    proc, r, _ = _soak(
+        tmp_path, "--server-args", "cand=--fake-perturb ties", "--vllm-cmd", TIES
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert r["verdict"] == "PASS" and r["comparison"]["diverged"] == 0
+    assert r["comparison"]["tie"] > 0
+    judged = {row["judged"] for row in r["rows"] if row["feature"] == "regex"}
+    assert judged == {"structured output: first difference"}
+
+
+def _restart(tmp_path, perturb):
+    marker = tmp_path / "started"
+    return _soak(
+        tmp_path,
+        "--server-args",
+        f"cand=--fake-engine-child --fake-restart-perturb {perturb} {marker}",
+        "--fault", "kill-engine", "--kill-after", "30", "--replay", "12",
+        "--vllm-cmd", TIES,
+    )  # fmt: skip
+
+
+def test_a_restart_that_answers_on_the_other_side_of_ties_passes(tmp_path):
+    proc, r, _ = _restart(tmp_path, "ties")
+    f = r["fault"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f["identical_after_restart"] < f["replayed"] == 12
+    assert f["restart_judged"]["tie"] > 0 and f["restart_judged"]["diverged"] == 0
+    assert r["checks"]["restart_identical"] is True
+
+
+def test_a_restart_that_answers_otherwise_fails(tmp_path):
+    proc, r, _ = _restart(tmp_path, "decisive")
+    assert proc.returncode == 1
+    assert r["fault"]["restart_judged"]["diverged"] > 0
+    assert r["checks"]["restart_identical"] is False
+
+
 def test_memory_is_judged_on_enough_samples_only():
     flat = [{"rss_mib": 100.0 + (i % 2)} for i in range(9)]
     assert soak.memory_flat(flat, 0.05)["flat"] is True
@@ -118,3 +176,39 @@ def test_request_features_rotate_by_index():
     # structured output only with the fixture's words
     text = build_requests("text", 4, 0, 32)
     assert soak.soak_request(text, 7, "text").feature == "plain"
+
+
+def test_gpu_soak_script_dry_run(tmp_path):
+    """serving/gpu_soak.sh end to end against fake servers: the n-gram soak
+    with the malformed requests, and the MTP fault run, each with its
+    reference; a summary and one archive per run in $OUT."""
+    out = tmp_path / "out"
+    extra = (
+        "--duration 0 --requests 60 --pool 12 --max-tokens 30 --kv-bytes '' "
+        "--sample-s 100000 --kill-after 24 --replay 8 "
+        f"--port {free_port()} --vllm-cmd '{FAKE}' "
+        "--server-args 'cand=--fake-engine-child --fake-preempt-every 5'"
+    )
+    proc = run_until_done(
+        ["bash", "serving/gpu_soak.sh"],
+        what="serving/gpu_soak.sh against fake servers",
+        cwd=REPO,
+        env=subprocess_env(
+            PYTHON=PY,
+            OUT=str(out),
+            SOAK_WORK=str(tmp_path / "work"),
+            SOAK_BUNDLE_ENV="none",
+            SOAK_CLIENTS="4",
+            SOAK_RUNS="soak-ngram fault-mtp",
+            SOAK_ARGS=extra,
+        ),  # fmt: skip
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    summary = (out / "SOAK.md").read_text()
+    assert summary.count("# Soak: PASS") == 2
+    assert "| preempted | ok |" in summary
+    assert "| malformed_requests_4xx | ok |" in summary
+    assert "| restart_identical | ok |" in summary
+    assert {p.name for p in out.iterdir()} == {
+        "SOAK.md", "soak-ngram.tgz", "fault-mtp.tgz",
+    }  # fmt: skip

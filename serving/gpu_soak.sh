@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The soak, the malformed requests and the engine-core fault (issue:
+# reliability) on a GPU host, in one call: three `serving.soak` runs side by
+# side on one GPU, each with its own non-speculative reference server, on
+# the trained fast-apply fixture (its chat template added by
+# `serving make-model fastapply`).
+#
+#   bash serving/gpu_soak.sh            # ~9 min
+#
+#   soak-ngram  n-gram k=64 (lookup 2..10): SOAK_CLIENTS clients for
+#               SOAK_DURATION s, then the malformed requests
+#               (serving/bad_requests.py) against the loaded server
+#   soak-mtp    MTP k=3 (the fixture's trained head), the same load
+#   fault-mtp   MTP k=3, SOAK_FAULT_REQUESTS requests; after a third of them
+#               completed, its engine core is SIGKILLed; restart and replay
+#
+# Every server: chunked prefill with a per-step budget of 512 tokens, prefix
+# caching (align mode for the fixture's Gated DeltaNet layers), a KV pool of
+# SOAK_KV_BYTES (small enough that 64 running sequences preempt; the soaks
+# require preemptions > 0), CUDA graphs, Triton attention. The three runs
+# share the GPU: correctness checks only, no timing is judged.
+#
+# Results in $OUT: one archive per run (RUN.tgz: soak.json / .md / .png,
+# bad_requests.md, server logs) and SOAK.md, the three summaries. Exit 0
+# when every run passed.
+#
+# Environment: SOAK_CLIENTS (256), SOAK_DURATION (300), SOAK_FAULT_REQUESTS
+# (3000), SOAK_KV_BYTES (4e8), SOAK_MAX_SEQS (64), SOAK_DEADLINE (540: the
+# load stops 120 s before it, then the checks),
+# SOAK_RUNS ("soak-ngram soak-mtp fault-mtp"), SOAK_ARGS, PYTHON (python3),
+# SOAK_BUNDLE_ENV
+# (/tmp/hybridspec/env.sh; "none" to use this Python's vLLM).
+set -u
+R=$PWD
+OUT=${OUT:-$R/out}
+WORK=${SOAK_WORK:-/tmp/soak-work}
+CLIENTS=${SOAK_CLIENTS:-256}
+DURATION=${SOAK_DURATION:-300}
+FAULT_REQUESTS=${SOAK_FAULT_REQUESTS:-3000}
+KV=${SOAK_KV_BYTES:-4e8}
+SEQS=${SOAK_MAX_SEQS:-64}
+DEADLINE=${SOAK_DEADLINE:-540}
+RUNS=${SOAK_RUNS:-soak-ngram soak-mtp fault-mtp}
+ENVF=${SOAK_BUNDLE_ENV:-/tmp/hybridspec/env.sh}
+PY=${PYTHON:-python3}
+# shellcheck disable=SC1090
+[[ $ENVF == none ]] || source "$ENVF"
+export VLLM_USE_FLASHINFER_SAMPLER=0
+mkdir -p "$OUT" "$WORK"
+MODEL=$WORK/fastapply
+[ -f "$MODEL/config.json" ] ||
+  "$PY" -m serving make-model fastapply "$MODEL" || exit 1
+ENGINE="--gdn-prefill-backend triton --language-model-only"
+ENGINE+=" --limit-mm-per-prompt '{\"image\":0,\"video\":0}'"
+ENGINE+=" --attention-backend TRITON_ATTN --enable-prefix-caching"
+ENGINE+=" --max-num-batched-tokens 512"
+# the references run eager: they start faster and compile nothing while
+# the candidates are loaded (the comparison is margin-aware)
+common=(--model "$MODEL" --server ref=none --server-args ref=--enforce-eager
+  --clients "$CLIENTS"
+  --max-num-seqs "$SEQS" --kv-bytes "$KV" --gpu-mem 0.08
+  --engine-args "$ENGINE" --deadline "$DEADLINE")
+declare -A ARGS=(
+  [soak-ngram]="--server cand=ngram --duration $DURATION --expect-preemption --bad-requests --port 8400"
+  [soak-mtp]="--server cand=mtp --duration $DURATION --expect-preemption --port 8500"
+  [fault-mtp]="--server cand=mtp --duration 0 --requests $FAULT_REQUESTS --fault kill-engine --kill-after $((FAULT_REQUESTS / 3)) --port 8600"
+)
+# SOAK_ARGS: more soak arguments for every run (the last of an option wins;
+# the CPU dry run passes a fake server and a request count)
+eval "EXTRA=(${SOAK_ARGS:-})"
+pids=()
+started=()
+for run in $RUNS; do
+  if [[ $run == fault-* ]]; then
+    # the fault run starts once the soaks' candidates are up: candidates
+    # that compile at the same time slow each other's start, and the soaks
+    # need their minutes of load inside the deadline (a hang guard of half
+    # the deadline)
+    for ((w = 0; w < DEADLINE / 2; w += 2)); do
+      ready=1
+      for r in "${started[@]}"; do
+        grep -q "launched ref" "$WORK/$r.log" 2>/dev/null || ready=0
+      done
+      ((ready)) && break
+      sleep 2
+    done
+  fi
+  started+=("$run")
+  # shellcheck disable=SC2086
+  # a hang guard past the soak's own deadline, so that this script always
+  # gets to pack what each run left
+  timeout $((DEADLINE + 30)) "$PY" -m serving soak "${common[@]}" ${ARGS[$run]} \
+    --cache-root "$WORK/cache-$run" --out "$WORK/$run" "${EXTRA[@]}" \
+    > "$WORK/$run.log" 2>&1 &
+  pids+=($!)
+  sleep 3
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=1; done
+: > "$OUT/SOAK.md"
+for run in $RUNS; do
+  { echo "## $run"; echo
+    cat "$WORK/$run/soak.md" 2>/dev/null || tail -20 "$WORK/$run.log"
+    echo; } >> "$OUT/SOAK.md"
+  cp "$WORK/$run.log" "$WORK/$run/" 2>/dev/null
+  tar -czf "$OUT/$run.tgz" -C "$WORK" "$run"
+done
+cat "$OUT/SOAK.md"
+exit $rc
