@@ -37,7 +37,7 @@ if [[ ${1:-} == shrink ]]; then
   V=$2 RUN=$3 ID=$4 DEADLINE=${5:-420}
   mkdir -p "$OUT/regressions"
   prepare_variants "$V" 0.2 || exit 1
-  in_variant "$V" timeout $((DEADLINE + 400)) \
+  in_variant "$V" timeout -k 15 $((DEADLINE + 400)) \
     python3 -m harness.fuzz shrink "$RUN" --id "$ID" --deadline "$DEADLINE" \
     --per-call "${GROUP:-4}"
   cp -n "$R"/harness/regressions/*.json "$OUT/regressions/" 2>/dev/null
@@ -60,7 +60,7 @@ for v in $VARIANTS; do
   if [[ $MODE == rerun ]]; then
     for g in "$GROUP_DIR"/*.json; do
       id=$(basename "$g" .json)
-      in_variant "$v" timeout $((DEADLINE + 60)) \
+      in_variant "$v" timeout -k 15 $((DEADLINE + 60)) \
         python3 -m harness.fuzz run-group "$g" \
         --out "$OUT/fuzz/rerun-$name-$id.jsonl" --deadline "$DEADLINE" \
         > "$OUT/logs/rerun-$name-$id.log" 2>&1 &
@@ -73,7 +73,7 @@ for v in $VARIANTS; do
   # the same configurations
   for ((j = 0; j < ${JOBS:-1}; j++)); do
     s=$((SEED + j))
-    in_variant "$v" timeout $((DEADLINE + 150)) \
+    in_variant "$v" timeout -k 15 $((DEADLINE + 150)) \
       python3 -m harness.fuzz run --out "$OUT/fuzz" --variant "$name" \
       --seed "$s" --deadline "$DEADLINE" --group "${GROUP:-6}" \
       > "$OUT/logs/fuzz-$name-s$s.log" 2>&1 &

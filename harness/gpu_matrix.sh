@@ -33,7 +33,7 @@ for v in $VARIANTS; do
     for ((i = 1; i <= n; i++)); do
       run="$s-${v//+/-with-}" shard=()
       ((n > 1)) && run="$run-$i-of-$n" shard=(--shard "$i/$n")
-      in_variant "$v" timeout $((DEADLINE + 170)) python3 -m harness.equivalence --slice "$s" \
+      in_variant "$v" timeout -k 15 $((DEADLINE + 170)) python3 -m harness.equivalence --slice "$s" \
         "${shard[@]}" --run "$run" --out "$OUT/equivalence" --deadline "$DEADLINE" \
         > "$OUT/logs/$run.log" 2>&1 &
       pids+=($!)

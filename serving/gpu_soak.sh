@@ -20,6 +20,8 @@
 # require preemptions > 0), CUDA graphs, Triton attention. The three runs
 # share the GPU: correctness checks only, no timing is judged.
 #
+# Every run ends, its servers stopped, by SOAK_DEADLINE seconds after this
+# script started (+20 s hang guard): give the GPU call at least 60 s more.
 # Results in $OUT: one archive per run (RUN.tgz: soak.json / .md / .png,
 # bad_requests.md, server logs) and SOAK.md, the three summaries. Exit 0
 # when every run passed.
@@ -32,6 +34,7 @@
 # (/tmp/hybridspec/env.sh; "none" to use this Python's vLLM).
 set -u
 R=$PWD
+T0=$SECONDS
 OUT=${OUT:-$R/out}
 WORK=${SOAK_WORK:-/tmp/soak-work}
 CLIENTS=${SOAK_CLIENTS:-256}
@@ -59,7 +62,7 @@ ENGINE+=" --max-num-batched-tokens 512"
 common=(--model "$MODEL" --server ref=none --server-args ref=--enforce-eager
   --clients "$CLIENTS"
   --max-num-seqs "$SEQS" --kv-bytes "$KV" --gpu-mem 0.08
-  --engine-args "$ENGINE" --deadline "$DEADLINE")
+  --engine-args "$ENGINE")
 declare -A ARGS=(
   [soak-ngram]="--server cand=ngram --duration $DURATION --expect-preemption --bad-requests --port 8400"
   [soak-mtp]="--server cand=mtp --duration $DURATION --expect-preemption --port 8500"
@@ -71,11 +74,12 @@ eval "EXTRA=(${SOAK_ARGS:-})"
 pids=()
 started=()
 for run in $RUNS; do
-  if [[ $run == fault-* ]]; then
-    # the fault run starts once the soaks' candidates are up: candidates
-    # that compile at the same time slow each other's start, and the soaks
-    # need their minutes of load inside the deadline (a hang guard of half
-    # the deadline)
+  if ((${#started[@]})); then
+    # each run starts once the candidates of the runs before it are up:
+    # servers that start together compile the same Triton kernels at once
+    # (on a fresh host 6 of them took 260-350 s where one takes about 70 s),
+    # while a later one finds them in the cache; the soaks need their
+    # minutes of load inside the deadline (a hang guard of half of it)
     for ((w = 0; w < DEADLINE / 2; w += 2)); do
       ready=1
       for r in "${started[@]}"; do
@@ -86,10 +90,14 @@ for run in $RUNS; do
     done
   fi
   started+=("$run")
+  # SOAK_DEADLINE counts from this script's start, for every run, a later
+  # one included; a hang guard 20 s past it, so that this script always
+  # gets to pack what each run left before the GPU call's own limit
+  left=$((DEADLINE - (SECONDS - T0)))
+  ((left > 60)) || { echo "[gpu_soak] $run: no time left, not started"; continue; }
   # shellcheck disable=SC2086
-  # a hang guard past the soak's own deadline, so that this script always
-  # gets to pack what each run left
-  timeout $((DEADLINE + 30)) "$PY" -m serving soak "${common[@]}" ${ARGS[$run]} \
+  timeout -k 10 $((left + 20)) "$PY" -m serving soak "${common[@]}" ${ARGS[$run]} \
+    --deadline "$left" \
     --cache-root "$WORK/cache-$run" --out "$WORK/$run" "${EXTRA[@]}" \
     > "$WORK/$run.log" 2>&1 &
   pids+=($!)

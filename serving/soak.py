@@ -369,6 +369,7 @@ async def run_load(a, cand: ServerSpec, pool, log, deadline: float = math.inf) -
 
         async def faulter():
             await killed.wait()
+            fault["at_load_s"] = round(time.monotonic() - t0, 2)
             fault.update(await kill_engine(a, cand, session, in_flight, log))
             stop_load.set()
 
@@ -755,7 +756,12 @@ def main(argv: list[str] | None = None) -> int:
             fault.pop("restart_results")
             fault["restart_judged"] = judge(restart_rows)
             fault["restart_rows"] = [r for r in restart_rows if r["status"] != "match"]
-        mem = memory_flat(load["samples"], a.mem_tolerance)
+        # a killed engine frees its memory: judge the samples before the kill
+        kill_at = fault.get("at_load_s") if fault.get("engine_pids") else None
+        mem = memory_flat(
+            [x for x in load["samples"] if kill_at is None or x["t"] < kill_at],
+            a.mem_tolerance,
+        )
         checks = {
             "no_request_lost": kinds.get("lost", 0) == 0,
             "no_divergence": counts["diverged"] == 0 and counts["error"] == 0,

@@ -212,3 +212,37 @@ def test_gpu_soak_script_dry_run(tmp_path):
     assert {p.name for p in out.iterdir()} == {
         "SOAK.md", "soak-ngram.tgz", "fault-mtp.tgz",
     }  # fmt: skip
+
+
+def test_gpu_soak_script_ends_by_its_deadline_when_a_server_never_starts(tmp_path):
+    """A candidate that never answers /health: every run ends by
+    SOAK_DEADLINE (counted from the script's start, a run started later
+    included) and the script still writes its summary and archives, so that
+    a GPU call's own limit never cuts it off. The hang guard below only
+    catches a script that ignores its deadline."""
+    out = tmp_path / "out"
+    extra = (
+        f"--requests 20 --kv-bytes '' --port {free_port()} --vllm-cmd '{FAKE}' "
+        "--server-args 'cand=--fake-startup-s 100000'"
+    )
+    proc = run_until_done(
+        ["bash", "serving/gpu_soak.sh"],
+        what="serving/gpu_soak.sh with a server that never starts",
+        cwd=REPO,
+        env=subprocess_env(
+            PYTHON=PY,
+            OUT=str(out),
+            SOAK_WORK=str(tmp_path / "work"),
+            SOAK_BUNDLE_ENV="none",
+            SOAK_CLIENTS="2",
+            SOAK_DEADLINE="64",
+            SOAK_RUNS="soak-ngram fault-mtp",
+            SOAK_ARGS=extra,
+        ),  # fmt: skip
+    )
+    assert proc.returncode == 1
+    summary = (out / "SOAK.md").read_text()
+    assert "not ready: cand" in summary
+    # the fault run waited for the soak's candidate, then had no time left
+    assert "fault-mtp: no time left, not started" in proc.stdout
+    assert (out / "soak-ngram.tgz").exists()
