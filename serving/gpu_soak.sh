@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The soak, the malformed requests and the engine-core fault (issue:
-# reliability) on a GPU host, in one call: three `serving.soak` runs side by
-# side on one GPU, each with its own non-speculative reference server, on
-# the trained fast-apply fixture (its chat template added by
-# `serving make-model fastapply`).
+# reliability) on a GPU host, in one call: three `serving.soak` runs on one
+# GPU, each started once the candidates before it are up, each with its own
+# non-speculative reference server, on the trained fast-apply fixture (its
+# chat template added by `serving make-model fastapply`).
 #
 #   bash serving/gpu_soak.sh            # ~9 min
 #
@@ -16,8 +16,8 @@
 #
 # Every server: chunked prefill with a per-step budget of 512 tokens, prefix
 # caching (align mode for the fixture's Gated DeltaNet layers), a KV pool of
-# SOAK_KV_BYTES (small enough that 64 running sequences preempt; the soaks
-# require preemptions > 0), CUDA graphs, Triton attention. The three runs
+# SOAK_KV_BYTES (meant to be small enough that 64 running sequences
+# preempt: the soaks require preemptions > 0), CUDA graphs, Triton attention. The three runs
 # share the GPU: correctness checks only, no timing is judged.
 #
 # Every run ends, its servers stopped, by SOAK_DEADLINE seconds after this

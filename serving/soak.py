@@ -461,7 +461,7 @@ async def replay(url: str, model: str, items, concurrency: int, logprobs: bool):
         return await asyncio.gather(*(one(sr) for sr in items))
 
 
-def judge_restart(fault, greedy, items, ref_res, results, a, ref_url, deadline):
+def judge_restart(fault, greedy, items, ref_res, a, ref_url, deadline):
     """Rows (serving.compare) of the replayed requests whose answer after
     the restart differs from the one before the kill, judged against the
     reference server's answers: teacher-forced by the reference, structured
@@ -751,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
             # the candidate's answers are (a near-tie can go the other way
             # in another batch)
             restart_rows = judge_restart(
-                fault, greedy, items, ref_res, results, a, ref.url, deadline
+                fault, greedy, items, ref_res, a, ref.url, deadline
             )
             fault.pop("restart_results")
             fault["restart_judged"] = judge(restart_rows)
