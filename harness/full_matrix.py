@@ -1,6 +1,6 @@
-"""The whole equivalence matrix in four GPU calls, and its one summary.
+"""The whole equivalence matrix in six GPU calls, and its one summary.
 
-``RUNS`` splits the slices of :mod:`harness.equivalence` into four groups
+``RUNS`` splits the slices of :mod:`harness.equivalence` into six groups
 that each fit one 10-minute call (``harness/gpu_full_matrix.sh N`` runs group
 ``N`` for the fork and unpatched upstream of the bundle's line side by side,
 one process per slice and variant):
@@ -15,7 +15,14 @@ one process per slice and variant):
    through its MTP head (scripted and MTP);
 4. NemotronH on Model Runner V2 through its MTP head, the draft_model
    method (an attention-only draft model, and a hybrid one that the fork
-   refuses) and EAGLE-3 heads on both runners.
+   refuses) and EAGLE-3 heads on both runners;
+5. the paths production runs: stop token ids, structured output and ``n=2``
+   requests, multi-turn conversations and 6-7k-token prompts, a block-FP8
+   checkpoint, per-request n-gram draft lengths, and FlashInfer's GDN
+   prefill with FA3 or FlashInfer attention;
+6. every other hybrid family of the line (``families``: Qwen3.5-MoE,
+   Falcon-H1, Zamba2, Jamba, Mamba, Mamba2, LFM2, OLMo-hybrid, ... as the
+   line ships them).
 
 Model Runner V2's cells were one call until v0.33.0's first whole matrix: on
 a cold host its 12 processes spent 200-320 s on their first cell each
@@ -25,7 +32,7 @@ of 25-45 s each) into two processes, so that no process carries more than
 7 cells, and each call runs 12 processes.
 
 ``python -m harness.full_matrix summarize DIR`` reads every report of the
-four calls in ``DIR`` and writes ``FULL.md`` (one line per cell, fork and
+six calls in ``DIR`` and writes ``FULL.md`` (one line per cell, fork and
 upstream side by side; a cell a call's deadline left unstarted is listed as
 ``not run``) and a heatmap per variant.
 """
@@ -66,6 +73,14 @@ RUNS: dict[int, tuple[str, ...]] = {
         "draft-model-probe:2",
         "eagle3-probe:2",
     ),
+    5: (
+        "requests:2",
+        "multi-turn:2",
+        "fp8",
+        "draft-length",
+        "flashinfer:2",
+    ),
+    6: ("families:4",),
 }
 """Run N's entries: a slice, or ``slice:S``, a slice whose cells are dealt
 into S processes (``harness.equivalence --shard i/S``), so that a call's
@@ -74,7 +89,7 @@ VARIANTS = ("fork", "upstream")
 
 
 def expected_cells() -> list[tuple[str, dict]]:
-    """(slice, cell key) of every cell of the three runs, in run order."""
+    """(slice, cell key) of every cell of the runs, in run order."""
     from .equivalence import slice_cells
 
     return [(s, c.key()) for n in sorted(RUNS) for s in map(slice_of, RUNS[n])
@@ -87,10 +102,9 @@ def slice_of(entry: str) -> str:
 
 
 def _key(cell: dict) -> tuple:
-    from .report import SIDE_KEY
+    from .report import side_key
 
-    return tuple(cell.get(k, "auto" if k == "kv_cache_dtype" else None)
-                 for k in SIDE_KEY)  # fmt: skip
+    return side_key(cell)
 
 
 def worst_drift(cells) -> dict | None:
@@ -149,7 +163,7 @@ def summarize(report_dir: Path, title: str | None = None) -> dict[str, Counter]:
     ]
     seen = set()
     for slice_name, key in expected_cells():
-        k = tuple(key.get(x) for x in SIDE_KEY)
+        k = _key(key)
         if k in seen:  # a cell two slices share is reported once
             continue
         seen.add(k)

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# One of the four calls of the whole equivalence matrix (harness/full_matrix.py
+# One of the six calls of the whole equivalence matrix (harness/full_matrix.py
 # RUNS), fork and unpatched upstream of the bundle's line side by side, on a GPU
 # host with the bundle installed at /tmp/hybridspec:
 #
-#   bash harness/gpu_full_matrix.sh N [DEADLINE_S]     # N = 1 to 4
+#   bash harness/gpu_full_matrix.sh N [DEADLINE_S]     # N = 1 to 6
 #
 # Reports and logs are packed into $OUT/equivalence-HHMMSS.tgz (gpu_matrix.sh);
-# after the four calls, `python -m harness.full_matrix summarize DIR` over the
+# after the six calls, `python -m harness.full_matrix summarize DIR` over the
 # reports of all four, unpacked into DIR.
 set -u
-N=${1:?run number 1 to 4}
+N=${1:?run number 1 to 6}
 DEADLINE=${2:-360}
 SLICES=$(python3 -m harness.full_matrix slices "$N") || exit 1
 # one process per slice and variant share the GPU

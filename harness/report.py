@@ -193,7 +193,21 @@ def write_report(cells: list[dict], outdir: Path, run: str) -> dict[str, Path]:
 # fork vs upstream side by side
 
 SIDE_KEY = ("model", "runner", "drafter", "k", "batch", "cache_mode", "graphs",
-            "async", "chunked", "preempt", "kv_cache_dtype", "sampling")  # fmt: skip
+            "async", "chunked", "preempt", "kv_cache_dtype", "sampling", "dtype",
+            "request", "turns", "engine")  # fmt: skip
+
+
+def side_key(cell: dict) -> tuple:
+    """A cell's SIDE_KEY values, hashable (engine arguments as sorted JSON);
+    fields that older reports lack read as their defaults, so that cells
+    reported before a field existed keep their key."""
+    defaults = {"kv_cache_dtype": "auto", "dtype": "bfloat16"}
+    return tuple(
+        json.dumps(v, sort_keys=True) if isinstance(v, dict) else v
+        for v in (cell.get(k, defaults.get(k)) for k in SIDE_KEY)
+    )
+
+
 _RANK = {"ok": 3, "diverged": 3, "error": 1, "rejected": 0}
 
 
@@ -217,7 +231,7 @@ def side_by_side(files: Iterable[str | Path]) -> str:
         name = Path(f).name
         v = "upstream" if "upstream" in name else "fork"
         for c in json.loads(Path(f).read_text()):
-            key = tuple(c.get(k) for k in SIDE_KEY)
+            key = side_key(c)
             old = rows.setdefault(key, {}).get(v)
             if old is None or _RANK[c["status"]] > _RANK[old[0]["status"]]:
                 rows[key][v] = (c, name)

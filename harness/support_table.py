@@ -137,12 +137,15 @@ def _rel(path: Path, base: Path) -> str:
     return Path(os.path.relpath(path.resolve(), base.resolve())).as_posix()
 
 
-def _unstarted(got: dict) -> str:
+def _unstarted(got: dict, report_dir: Path) -> str:
     """ ", or one of the N cells ..." where the matrix's calls left fork cells
-    unstarted (a call's deadline), else ""."""
+    unstarted (a call's deadline), else "". Only the slices the folder has a
+    fork report of count: a slice added to the matrix after the run was
+    never asked for."""
     from .full_matrix import _key, expected_cells
 
-    keys = {_key(c) for _, c in expected_cells()}
+    ran = {f.name.partition("-fork")[0] for f in report_dir.glob("*-fork*.json")}
+    keys = {_key(c) for s, c in expected_cells() if s in ran}
     n = len(keys - set(got["fork"]))
     return (f", or one of the {n} cells a call's deadline left unstarted"
             if n else "")  # fmt: skip
@@ -236,7 +239,7 @@ def table(report_dir: Path, line: str | None = None, base: Path | None = None) -
         + ") and mamba cache mode ("
         + " / ".join(modes)
         + "); refused = rejected at config time; not run = no such cell in the "
-        "matrix" + _unstarted(got) + "."
+        "matrix" + _unstarted(got, report_dir) + "."
     )
     head = "| target | " + " | ".join(DRAFTERS.get(d, d) for d in drafters) + " |"
     out = [caption, "", head, "|" + "---|" * (len(drafters) + 1), *rows, ""]

@@ -457,8 +457,18 @@ def test_turboquant_prefill_falls_back_to_sdpa_without_fa2(monkeypatch):
 def test_full_matrix_runs_cover_both_runners_and_every_fixture():
     from harness.full_matrix import RUNS, expected_cells
 
-    assert sorted(RUNS) == [1, 2, 3, 4]
+    assert sorted(RUNS) == [1, 2, 3, 4, 5, 6]
     cells = [k for _, k in expected_cells()]
+    # the paths production runs, and every family, are in the whole matrix
+    assert {c.get("request") for c in cells} >= {"stop", "regex", "n2"}
+    assert any(c.get("turns", 2) > 2 for c in cells)
+    assert any(c["dtype"] == "fp8" for c in cells)
+    assert any(c["drafter"] == "ngram:acceptance" for c in cells)
+    assert any(c.get("engine", {}).get("gdn_prefill_backend") == "flashinfer"
+               for c in cells)  # fmt: skip
+    from harness.equivalence import family_cells
+
+    assert {c.model for c in family_cells("all")} <= {c["model"] for c in cells}
     by_runner = {r: {c["model"] for c in cells if c["runner"] == r}
                  for r in ("v1", "mrv2")}  # fmt: skip
     assert by_runner["v1"] >= {"qwen3_5", "nemotron_h", "fastapply", "qwen3_next",
@@ -509,7 +519,7 @@ def test_full_matrix_summary_lists_unrun_cells(tmp_path):
     (tmp_path / "v1-smoke-fork.json").write_text(json.dumps([done]))
     (tmp_path / "v1-smoke-upstream.json").write_text(json.dumps([bad]))
     counts = summarize(tmp_path, "t")
-    n = len({tuple(sorted(k.items())) for _, k in expected_cells()})
+    n = len({json.dumps(k, sort_keys=True) for _, k in expected_cells()})
     assert counts["fork"] == {"ok": 1, "not run": n - 1}
     assert counts["upstream"] == {"diverged": 1, "not run": n - 1}
     text = (tmp_path / "FULL.md").read_text()

@@ -174,3 +174,21 @@ def test_python_m_harness_support_table_check():
 
     readme = str(REPO / "README.md")
     assert main(["support-table", "--readme", readme, "--check"]) == 0
+
+
+def test_unstarted_counts_only_slices_the_matrix_ran(tmp_path: Path):
+    """Cells of a slice with a fork report but no result are unstarted; a
+    slice with no report at all (added to the matrix after the run) is not
+    counted."""
+    from harness.equivalence import slice_cells
+    from harness.full_matrix import collect
+    from harness.support_table import _unstarted
+
+    smoke = slice_cells("v1-smoke")
+    done = {**smoke[0].key(), "status": "ok", "tokens": 1, "divergences": 0,
+            "ties": 0}  # fmt: skip
+    (tmp_path / "v1-smoke-fork.json").write_text(json.dumps([done]))
+    got = collect(tmp_path)
+    assert _unstarted(got, tmp_path) == (
+        f", or one of the {len(smoke) - 1} cells a call's deadline left unstarted"
+    )
