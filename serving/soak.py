@@ -573,7 +573,12 @@ def parse_args(argv):
     ap.add_argument("--expect-preemption", action="store_true")
     ap.add_argument("--mem-tolerance", type=float, default=0.05)
     ap.add_argument("--tie-margin", type=float, default=TIE_MARGIN)
-    ap.add_argument("--deadline", type=float, default=0.0, help="0: none")
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=0.0,
+        help="seconds from this process's start by which everything ends; 0: none",
+    )
     ap.add_argument(
         "--check-reserve",
         type=float,
@@ -615,7 +620,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(a.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    deadline = t_start + a.deadline if a.deadline > 0 else math.inf
+    # the deadline counts from this process's start, imports included, so
+    # that a caller's hang guard a little past it never cuts the checks off
+    import psutil
+
+    started_ago = max(0.0, time.time() - psutil.Process().create_time())
+    deadline = t_start - started_ago + a.deadline if a.deadline > 0 else math.inf
 
     def log(msg: str) -> None:
         print(msg, flush=True)
