@@ -139,6 +139,18 @@ def greedy_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto"):
     return [[Position(t, 0, 3.0) for t in c] for _, c in seqs]
 
 
+def fake_engines(monkeypatch, generate, forced=greedy_forced) -> None:
+    """``harness.equivalence.run_cells`` without vLLM: the given stand-ins
+    for ``generate`` and ``teacher_forced``, and no model written."""
+    import harness.equivalence as eq
+
+    monkeypatch.setattr(eq, "generate", generate)
+    monkeypatch.setattr(eq, "teacher_forced", forced)
+    monkeypatch.setattr(
+        "harness.models.write_model", lambda kind, out, seed=0: str(out)
+    )
+
+
 def free_port() -> int:
     """A free local port (below 64001, so that a few consecutive ones after
     it exist)."""

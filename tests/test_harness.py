@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import fake_output, greedy_forced
+from conftest import fake_engines, fake_output
 
 from harness.compare import CellSummary, Position, noise, verify
 from harness.drafter import (
@@ -310,11 +310,7 @@ def test_run_cells_orchestration_with_a_fake_engine(tmp_path, monkeypatch):
             ])  # fmt: skip
         return res
 
-    monkeypatch.setattr(eq, "generate", fake_generate)
-    monkeypatch.setattr(eq, "teacher_forced", fake_forced)
-    monkeypatch.setattr(
-        "harness.models.write_model", lambda kind, out, seed=0: str(out)
-    )
+    fake_engines(monkeypatch, fake_generate, fake_forced)
     cells = [
         eq.Cell("qwen3_5", "scripted:all_zero", 4, 4, max_tokens=12),
         eq.Cell("qwen3_5", "scripted:all_accept", 4, 4, max_tokens=12),
@@ -1015,11 +1011,7 @@ def test_stop_cells_share_their_stop_ids_with_their_own_reference(
         seen.append((cell.drafter, eq.request_kwargs(cell)))
         return [fake_output([1, 2, 3], logprobs) for w in waves for _ in w], {}
 
-    monkeypatch.setattr(eq, "generate", fake_generate)
-    monkeypatch.setattr(eq, "teacher_forced", greedy_forced)
-    monkeypatch.setattr(
-        "harness.models.write_model", lambda kind, out, seed=0: str(out)
-    )
+    fake_engines(monkeypatch, fake_generate)
     cells = [
         eq.Cell("qwen3_5", "ngram", 8, 2, request="stop", max_tokens=3),
         eq.Cell("qwen3_5", "ngram", 8, 2, max_tokens=3),
@@ -1082,11 +1074,7 @@ def test_regex_cells_are_judged_by_their_own_reference_run(tmp_path, monkeypatch
             for _, c in seqs
         ]
 
-    monkeypatch.setattr(eq, "generate", fake_generate)
-    monkeypatch.setattr(eq, "teacher_forced", fake_forced)
-    monkeypatch.setattr(
-        "harness.models.write_model", lambda kind, out, seed=0: str(out)
-    )
+    fake_engines(monkeypatch, fake_generate, fake_forced)
     cells = [
         eq.Cell("qwen3_5", "ngram", 8, 2, request="regex", max_tokens=3),
         eq.Cell("qwen3_5", "mtp", 3, 2, request="regex", max_tokens=3),
@@ -1138,11 +1126,7 @@ def test_multi_turn_cells_continue_each_previous_wave(tmp_path, monkeypatch):
         calls.append((cell.drafter, [len(w) for w in waves], waves))
         return [fake_output([3, 4, 5, 6], logprobs, -6.0) for w in waves for _ in w], {}
 
-    monkeypatch.setattr(eq, "generate", fake_generate)
-    monkeypatch.setattr(eq, "teacher_forced", greedy_forced)
-    monkeypatch.setattr(
-        "harness.models.write_model", lambda kind, out, seed=0: str(out)
-    )
+    fake_engines(monkeypatch, fake_generate)
     cell = eq.Cell("qwen3_5", "mtp", 3, 2, cache_mode="align", turns=4, max_tokens=4)
     (row,) = eq.run_cells([cell], tmp_path, n_prompts=2, seed=0)
     assert row["status"] == "ok" and row["turns"] == 4

@@ -178,6 +178,25 @@ def test_request_features_rotate_by_index():
     assert soak.soak_request(text, 7, "text").feature == "plain"
 
 
+def _gpu_soak(tmp_path, what: str, soak_args: str, **env: str):
+    """serving/gpu_soak.sh's n-gram soak and MTP fault runs on this machine
+    (no bundle), results in tmp_path/out."""
+    return run_until_done(
+        ["bash", "serving/gpu_soak.sh"],
+        what=f"serving/gpu_soak.sh {what}",
+        cwd=REPO,
+        env=subprocess_env(
+            PYTHON=PY,
+            OUT=str(tmp_path / "out"),
+            SOAK_WORK=str(tmp_path / "work"),
+            SOAK_BUNDLE_ENV="none",
+            SOAK_RUNS="soak-ngram fault-mtp",
+            SOAK_ARGS=soak_args,
+            **env,
+        ),  # fmt: skip
+    )
+
+
 def test_gpu_soak_script_dry_run(tmp_path):
     """serving/gpu_soak.sh end to end against fake servers: the n-gram soak
     with the malformed requests, and the MTP fault run, each with its
@@ -189,20 +208,7 @@ def test_gpu_soak_script_dry_run(tmp_path):
         f"--port {free_port()} --vllm-cmd '{FAKE}' "
         "--server-args 'cand=--fake-engine-child --fake-preempt-every 5'"
     )
-    proc = run_until_done(
-        ["bash", "serving/gpu_soak.sh"],
-        what="serving/gpu_soak.sh against fake servers",
-        cwd=REPO,
-        env=subprocess_env(
-            PYTHON=PY,
-            OUT=str(out),
-            SOAK_WORK=str(tmp_path / "work"),
-            SOAK_BUNDLE_ENV="none",
-            SOAK_CLIENTS="4",
-            SOAK_RUNS="soak-ngram fault-mtp",
-            SOAK_ARGS=extra,
-        ),  # fmt: skip
-    )
+    proc = _gpu_soak(tmp_path, "against fake servers", extra, SOAK_CLIENTS="4")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     summary = (out / "SOAK.md").read_text()
     assert summary.count("# Soak: PASS") == 2
@@ -225,21 +231,10 @@ def test_gpu_soak_script_ends_by_its_deadline_when_a_server_never_starts(tmp_pat
         f"--requests 20 --kv-bytes '' --port {free_port()} --vllm-cmd '{FAKE}' "
         "--server-args 'cand=--fake-startup-s 100000'"
     )
-    proc = run_until_done(
-        ["bash", "serving/gpu_soak.sh"],
-        what="serving/gpu_soak.sh with a server that never starts",
-        cwd=REPO,
-        env=subprocess_env(
-            PYTHON=PY,
-            OUT=str(out),
-            SOAK_WORK=str(tmp_path / "work"),
-            SOAK_BUNDLE_ENV="none",
-            SOAK_CLIENTS="2",
-            SOAK_DEADLINE="64",
-            SOAK_RUNS="soak-ngram fault-mtp",
-            SOAK_ARGS=extra,
-        ),  # fmt: skip
-    )
+    proc = _gpu_soak(
+        tmp_path, "with a server that never starts", extra,
+        SOAK_CLIENTS="2", SOAK_DEADLINE="64",
+    )  # fmt: skip
     assert proc.returncode == 1
     summary = (out / "SOAK.md").read_text()
     assert "not ready: cand" in summary
