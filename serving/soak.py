@@ -29,14 +29,18 @@ In order (the servers through ``serving.servers``, as ``serve_check``):
    bounded by ``--fault-timeout``, a hang guard), launches the candidate
    again and sends it ``--replay`` greedy requests that completed before the
    kill: each must come back identical;
-4. checks the candidate is alive (``/health``), scrapes ``/metrics`` again
+4. with ``--bad-requests``, sends the loaded candidate the malformed
+   requests of ``serving.bad_requests`` (each must get a 4xx;
+   ``OUT/bad_requests.md``); then checks the candidate is alive
+   (``/health``), scrapes ``/metrics`` again
    (accepted draft tokens <= draft tokens; preemptions, which
    ``--expect-preemption`` requires);
 5. replays every greedy request that completed (stop strings and
    structured output included) on the reference and compares, margin-aware
    as ``serve_check`` does (teacher-forced by the reference); a structured
-   output request must match exactly (teacher forcing does not see the
-   grammar); checks each ``n=2`` request returned two finished choices;
+   output request is judged at its first difference only, from the
+   reference run's own top-2 (teacher forcing does not see the grammar);
+   checks each ``n=2`` request returned two finished choices;
 6. writes ``OUT/soak.json`` (every request's outcome, the samples, the
    metrics, the verdicts), ``OUT/soak.md`` and ``OUT/soak.png`` (memory and
    requests over time, matplotlib), stops the servers.
@@ -49,8 +53,10 @@ greedy request diverged (ties allowed), every ``n=2`` request is whole,
 the candidate is alive at the end, the counters are consistent, host
 memory is flat (the mean of the last third of the samples within
 ``--mem-tolerance`` of the middle third's; judged with 6 samples or more)
-and, with the fault, the restarted server answers identically. Without a
-fault, explicit errors also fail the soak.
+and, with the fault, the restarted server answers identically (a replayed
+request that does not is judged against the reference, margin-aware: the
+other side of a near-tie passes). Without a fault, explicit errors also
+fail the soak.
 
 Why by hand: ``vllm bench serve`` measures speed with one kind of request
 and neither disconnects, compares outputs, nor kills the engine; this
