@@ -84,14 +84,13 @@ from .report import markdown
 from .servers import (
     PRESETS,
     QWEN35_ENGINE_ARGS,
-    ServerSpec,
     add_server_args,
     default_vllm_cmd,
     launch,
     log_facts,
     log_tail,
     name_values,
-    parse_spec,
+    server_specs,
     stop,
     wait_ready,
 )
@@ -206,15 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     try:
         a = parse_args(argv)
-        specs = name_values(a.server, "--server")
-        if len(specs) < 2:
+        servers = server_specs(a)
+        if len(servers) < 2:
             raise CheckError("need a reference and at least one candidate (--server)")
-        servers = [ServerSpec(name, parse_spec(s)) for name, s in specs.items()]
         by_name = {s.name: s for s in servers}
-        for name, extra in name_values(a.server_args, "--server-args").items():
-            if name not in by_name:
-                raise CheckError(f"--server-args for unknown server {name!r}")
-            by_name[name].extra = shlex.split(extra)
         for name, cmd in name_values(a.server_cmd, "--server-cmd").items():
             if name not in by_name:
                 raise CheckError(f"--server-cmd for unknown server {name!r}")

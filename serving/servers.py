@@ -116,6 +116,21 @@ class ServerSpec:
     version: str | None = None
 
 
+def server_specs(a) -> list[ServerSpec]:
+    """The servers of ``--server NAME=SPEC`` (the reference first), with
+    their ``--server-args NAME=ARGS``."""
+    servers = [
+        ServerSpec(name, parse_spec(s))
+        for name, s in name_values(a.server, "--server").items()
+    ]
+    by_name = {s.name: s for s in servers}
+    for name, extra in name_values(a.server_args, "--server-args").items():
+        if name not in by_name:
+            raise CheckError(f"--server-args for unknown server {name!r}")
+        by_name[name].extra = shlex.split(extra)
+    return servers
+
+
 def default_vllm_cmd() -> str:
     """The command that takes ``serve MODEL ...``: ``vllm`` on PATH, else
     this Python's ``-m vllm.entrypoints.cli.main``."""

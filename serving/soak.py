@@ -73,7 +73,6 @@ import contextlib
 import json
 import math
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -95,8 +94,7 @@ from .servers import (
     default_vllm_cmd,
     launch,
     log_tail,
-    name_values,
-    parse_spec,
+    server_specs,
     stop,
     wait_ready,
 )
@@ -614,12 +612,10 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     try:
         a = parse_args(argv)
-        specs = name_values(a.server, "--server")
-        if len(specs) != 2:
+        servers = server_specs(a)
+        if len(servers) != 2:
             raise CheckError("need exactly a reference and a candidate (--server)")
-        ref, cand = (ServerSpec(n, parse_spec(s)) for n, s in specs.items())
-        for name, extra in name_values(a.server_args, "--server-args").items():
-            {ref.name: ref, cand.name: cand}[name].extra = shlex.split(extra)
+        ref, cand = servers
         pool = build_requests(a.prompts, a.pool, a.seed, a.max_tokens)
     except (CheckError, KeyError) as e:
         print(f"soak: error: {e}", file=sys.stderr)
