@@ -304,6 +304,32 @@ def resolve_dependencies(
     return sorted(chosen.values())
 
 
+# A requirement carried on request brings the ones vLLM pins beside it
+# (its requirements/cuda.txt): with the CUTLASS DSL importable, v0.33.0's
+# MoE router GEMMs and GDN kernels take their CuTe DSL tiers, which import
+# QuACK, and Qwen3-Next failed at its first forward with
+# "No module named 'quack'".
+COMPANIONS = {"nvidia-cutlass-dsl": ("quack-kernels",)}
+
+
+def with_companions(requirements: Collection[str], wheel: Path) -> list[str]:
+    """``requirements`` and, for each named in ``COMPANIONS``, the companion
+    requirements at the pins of the fork wheel's own metadata."""
+
+    def name(req: str) -> str:  # PEP 508: the name leads
+        return canonical(re.match(r"\s*([A-Za-z0-9._-]+)", req).group(1))
+
+    out = list(requirements)
+    named = {name(r) for r in out}
+    pins = {name(r): r for r in _wheel_requires(wheel)}
+    for name in sorted(named):
+        for comp in COMPANIONS.get(name, ()):
+            if comp not in named and comp in pins:
+                out.append(pins[comp].split(";", 1)[0].strip())
+                named.add(comp)
+    return out
+
+
 def runtime_requirements(repo: Path) -> list[str]:
     lines = []
     for line in (repo / "requirements" / "common.txt").read_text().splitlines():
@@ -644,6 +670,7 @@ def make_bundle(
             shutil.rmtree(cache)
         from pip._vendor.packaging.requirements import Requirement
 
+        requirements = with_companions(requirements, fork_wheels[-1])
         dep_wheels = resolve_dependencies(
             runtime_requirements(fork_dir(pin)) + list(requirements),
             cache,

@@ -345,3 +345,31 @@ def test_an_extra_requirement_is_carried_though_its_name_looks_like_cuda(tmp_pat
     assert got["unmet"] == ["nvidia-cuda-runtime>=13 (host: ?)"]
     # without carry, the package is left to the host stack like a CUDA library
     assert got["without_carry"] == [] and got["asked_without_carry"] == []
+
+
+def test_the_cutlass_dsl_brings_the_quack_kernels_vllm_pins_beside_it(tmp_path):
+    """Carrying the CUTLASS DSL alone made v0.33.0's MoE router take its
+    CuTe DSL tier, which imports QuACK: the bundle carries vLLM's own pin of
+    quack-kernels with it, and nothing for requirements without companions."""
+    from hsfork.bundle import with_companions
+
+    wheel = tmp_path / "vllm-0.33.0-cp38-abi3-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(
+            "vllm-0.33.0.dist-info/METADATA",
+            "Name: vllm\nVersion: 0.33.0\n"
+            "Requires-Dist: nvidia-cutlass-dsl[cu13]==4.8.0\n"
+            "Requires-Dist: quack-kernels==0.6.5\n"
+            'Requires-Dist: tokenspeed-mla==2.0.3; platform_system == "Linux"\n',
+        )
+    assert with_companions(["nvidia-cutlass-dsl[cu13]==4.8.0"], wheel) == [
+        "nvidia-cutlass-dsl[cu13]==4.8.0",
+        "quack-kernels==0.6.5",
+    ]
+    # a companion named already keeps the caller's pin
+    assert with_companions(
+        ["nvidia_cutlass_dsl==4.8.0", "quack-kernels==0.6.4"], wheel
+    ) == ["nvidia_cutlass_dsl==4.8.0", "quack-kernels==0.6.4"]
+    assert with_companions(["flashinfer-python==0.7.2.post1"], wheel) == [
+        "flashinfer-python==0.7.2.post1"
+    ]
