@@ -2,8 +2,15 @@
 identical (text, token ids, finish reason), or judged token by token: the
 reference server scores the candidate's tokens teacher-forced
 (``rescore``), and a position below the reference's top choice by less
-than the tie margin is a tie (bf16 noise), by more a divergence; without
-that, the first difference is judged from the reference's own top-2."""
+than the tie margin is a tie (numerical noise), by more a divergence;
+without that, the first difference is judged from the reference's own
+top-k (``prompts.TOP_K``).
+
+The tie margin is the harness's (``harness.equivalence``): at least
+``TIE_MARGIN``, and twice the noise measured on this fixture and server,
+the largest difference between the top-1/top-2 gap the reference server
+decoded with and the gap its teacher-forced prefill gives on the same
+tokens (``rescore`` measures it on the reference's own answers)."""
 
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ import asyncio
 from .servers import time_left
 
 TIE_MARGIN = 0.05  # nats; harness.compare.TIE_MARGIN["bfloat16"]
+NOISE_SAMPLE = 64  # matching answers teacher-forced beside the differing ones
 
 
 def first_diff(a, b) -> int | None:
@@ -22,14 +30,18 @@ def first_diff(a, b) -> int | None:
 
 
 def judge_first(ref: dict, cand: dict, pos: int, margin: float) -> dict:
-    """The first token difference judged from the reference's own top-2."""
+    """The first token difference judged from the reference's own top-k:
+    the gap from its token to the candidate's, or, for a candidate outside
+    the top-k, to the last of them (a lower bound), as
+    ``harness.compare.verify_run`` judges a constrained run."""
     top = ref["top"][pos] if pos < len(ref["top"]) else None
     ids = cand["token_ids"] or []
     cand_tok = ids[pos] if pos < len(ids) else None
-    if not top or len(top) < 2:
+    if not top or len(top) < 2 or cand_tok is None:
         return {"pos": pos, "gap": None, "tie": False, "cand_token": cand_tok}
-    gap = top[0][1] - top[1][1]
-    tie = gap < margin and cand_tok is not None and cand_tok == top[1][0]
+    lps = {int(t): lp for t, lp in top}
+    gap = top[0][1] - lps.get(cand_tok, min(lps.values()))
+    tie = gap < margin
     return {
         "pos": pos,
         "gap": round(gap, 4),
@@ -82,29 +94,55 @@ def compare(reqs, ref_res, cand_res, margin: float) -> list[dict]:
     return rows
 
 
-async def rescore(url, model, rows, ref_res, cand_res, margin, deadline) -> None:
+def _score(entry: dict | None) -> dict[int, float]:
+    return {int(t): v["logprob"] for t, v in (entry or {}).items()}
+
+
+def gap_noise(top: list, plp: list, start: int) -> float:
+    """Largest difference between the top-1/top-2 gap the reference decoded
+    with (``top``, per generated token) and the gap of its teacher-forced
+    prefill (``plp``, prompt logprobs from ``start``) where both rank the
+    same two tokens first (``harness.compare.noise``)."""
+    worst = 0.0
+    for j, t in enumerate(top):
+        k = start + j
+        if not t or len(t) < 2 or k >= len(plp):
+            continue
+        f = sorted(_score(plp[k]).items(), key=lambda x: -x[1])
+        if len(f) < 2 or (f[0][0], f[1][0]) != (int(t[0][0]), int(t[1][0])):
+            continue
+        worst = max(worst, abs((t[0][1] - t[1][1]) - (f[0][1] - f[1][1])))
+    return worst
+
+
+async def rescore(url, model, rows, ref_res, cand_res, margin, deadline) -> dict:
     """Judge every differing request token by token: the reference server
     scores prompt + candidate tokens teacher-forced; sets ``ties``,
-    ``divergences`` and ``status`` (tie | diverged) in the rows."""
+    ``divergences`` and ``status`` (tie | diverged) in the rows. It also
+    scores the reference's own answers (the differing ones and up to
+    ``NOISE_SAMPLE`` matching ones) to measure the noise (``gap_noise``);
+    the margin judged with is ``max(margin, 2 * noise)``, returned with the
+    noise and how many answers it was measured on."""
     import aiohttp
 
-    todo = [
-        row
-        for row in rows
-        if row["status"] == "differs"
-        and ref_res[row["idx_pos"]]["prompt_token_ids"] is not None
-        and cand_res[row["idx_pos"]]["token_ids"] is not None
-    ]
+    def scorable(row, res):
+        return (
+            ref_res[row["idx_pos"]]["prompt_token_ids"] is not None
+            and res[row["idx_pos"]]["token_ids"] is not None
+        )
 
-    async def one(session, row):
+    todo = [r for r in rows if r["status"] == "differs" and scorable(r, cand_res)]
+    same = [r for r in rows if r["status"] == "match" and scorable(r, ref_res)]
+    noisy = [r for r in todo if scorable(r, ref_res)] + same[:NOISE_SAMPLE]
+
+    async def forced(session, row, tokens) -> tuple[list, str | None]:
         prompt = list(ref_res[row["idx_pos"]]["prompt_token_ids"])
-        cand = list(cand_res[row["idx_pos"]]["token_ids"])
         body = {
             "model": model,
-            "prompt": prompt + cand,
+            "prompt": prompt + list(tokens),
             "max_tokens": 1,
             "temperature": 0.0,
-            "prompt_logprobs": 1,
+            "prompt_logprobs": 2,
         }
         try:
             async with session.post(
@@ -113,30 +151,54 @@ async def rescore(url, model, rows, ref_res, cand_res, margin, deadline) -> None
                 timeout=aiohttp.ClientTimeout(total=time_left(deadline)),
             ) as r:
                 if r.status != 200:
-                    row["rescore_error"] = f"HTTP {r.status}: {(await r.text())[:300]}"
-                    return
+                    return [], f"HTTP {r.status}: {(await r.text())[:300]}"
                 data = await r.json()
         except Exception as e:  # noqa: BLE001 - recorded
-            row["rescore_error"] = f"{type(e).__name__}: {e}"[:300]
-            return
-        plp = data["choices"][0].get("prompt_logprobs") or []
-        ties, divs = [], []
+            return [], f"{type(e).__name__}: {e}"[:300]
+        return data["choices"][0].get("prompt_logprobs") or [], None
+
+    async def noise_of(session, row) -> float | None:
+        ref = ref_res[row["idx_pos"]]
+        plp, err = await forced(session, row, ref["token_ids"])
+        if err:
+            return None
+        return gap_noise(ref.get("top") or [], plp, len(ref["prompt_token_ids"]))
+
+    async def cand_gaps(session, row) -> list | None:
+        cand = list(cand_res[row["idx_pos"]]["token_ids"])
+        plp, err = await forced(session, row, cand)
+        if err:
+            row["rescore_error"] = err
+            return None
+        start = len(ref_res[row["idx_pos"]]["prompt_token_ids"])
+        gaps = []  # (position, gap below the top choice; None: not scored)
         for j, tok in enumerate(cand):
-            k = len(prompt) + j
-            entry = plp[k] if k < len(plp) else None
-            if not entry:
+            lps = _score(plp[start + j] if start + j < len(plp) else None)
+            if not lps:
                 continue
-            lps = {int(t): v["logprob"] for t, v in entry.items()}
-            best = max(lps.values())
             got = lps.get(tok)
-            if got is None:
+            gaps.append((j, None if got is None else max(lps.values()) - got))
+        return gaps
+
+    noise, gaps = [], []
+    if todo or noisy:
+        async with aiohttp.ClientSession() as session:
+            noise, gaps = await asyncio.gather(
+                asyncio.gather(*(noise_of(session, r) for r in noisy)),
+                asyncio.gather(*(cand_gaps(session, r) for r in todo)),
+            )
+    measured = [n for n in noise if n is not None]
+    worst = max(measured, default=0.0)
+    eff = max(margin, 2 * worst)
+    for row, g in zip(todo, gaps, strict=True):
+        if g is None:
+            continue
+        ties, divs = [], []
+        for j, gap in g:
+            if gap is None:
                 divs.append({"pos": j, "gap": None})
-                continue
-            gap = best - got
-            if gap > 0:
-                (ties if gap < margin else divs).append(
-                    {"pos": j, "gap": round(gap, 4)}
-                )
+            elif gap > 0:
+                (ties if gap < eff else divs).append({"pos": j, "gap": round(gap, 4)})
         row["ties"], row["divergences"] = ties, divs
         row["status"] = "diverged" if divs else "tie"
         row["judged"] = "teacher-forced"
@@ -145,18 +207,24 @@ async def rescore(url, model, rows, ref_res, cand_res, margin, deadline) -> None
             # sequences differ: one stopped early or ran on
             row["status"] = "diverged"
             row["reason"] = "greedy-consistent tokens, different length or stop"
+    return {
+        "noise": round(worst, 4),
+        "measured_on": len(measured),
+        "margin": round(eff, 4),
+        "floor": margin,
+    }
 
-    if todo:
-        async with aiohttp.ClientSession() as session:
-            await asyncio.gather(*(one(session, row) for row in todo))
 
-
-def finalize(rows: list[dict]) -> None:
-    """Rows not judged teacher-forced: judge from the first difference."""
+def finalize(rows: list[dict], margin: float | None = None) -> None:
+    """Rows not judged teacher-forced: judge from the first difference,
+    with ``margin`` where given (the one ``rescore`` measured) instead of
+    the one ``compare`` judged with."""
     for row in rows:
         if row["status"] != "differs":
             continue
         first = row.get("first")
+        if first and margin is not None and first.get("gap") is not None:
+            first["tie"] = first["gap"] < margin
         row["judged"] = "first-difference"
         row["status"] = "tie" if first and first.get("tie") else "diverged"
 

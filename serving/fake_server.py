@@ -26,7 +26,9 @@ position 5, where the gap is decisive. ``--fake-perturb ties`` emits the
 second choice at every tie position (a harmless divergence), and
 ``--fake-perturb fail`` answers one request in four with HTTP 500.
 ``--fake-restart-perturb PERTURB MARKER`` perturbs only a server started
-again (after a kill: the marker file exists).
+again (after a kill: the marker file exists). ``--fake-prefill-noise X``
+widens every top-1/top-2 gap of ``prompt_logprobs`` by X nats: the prefill
+disagrees with the decode, as kernel paths of a real model do.
 ``--fake-startup-s`` delays ``/health``; ``--fake-exit-s`` makes the server
 exit early (a crash), and ``--fake-crash-on-request`` makes it exit at its
 first generation request (a crash that no timing can hide).
@@ -261,6 +263,7 @@ class Server:
                     "decoded_token": self.model.piece(t1),
                 },
             }
+            gap += self.a.fake_prefill_noise
             if k >= 2:
                 d[str(t2)] = {
                     "logprob": TOP1_LP - gap,
@@ -295,6 +298,7 @@ def _parse(argv):
     ap.add_argument("--fake-crash-on-request", action="store_true")
     ap.add_argument("--fake-engine-child", action="store_true")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--fake-prefill-noise", type=float, default=0.0)
     ap.add_argument(
         "--fake-restart-perturb",
         nargs=2,

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 from . import CheckError
 
+# logprobs a reference returns per generated token: the first difference of
+# a structured-output answer is judged from them (serving.compare)
+TOP_K = 5
+
 
 @dataclass
 class Request:
@@ -143,12 +147,12 @@ def payload(req: Request, model: str, logprobs: bool) -> dict:
     if req.endpoint == "completions":
         body["prompt"] = req.prompt
         if logprobs:
-            body["logprobs"] = 2
+            body["logprobs"] = TOP_K
     else:
         body["messages"] = req.messages
         if logprobs:
             body["logprobs"] = True
-            body["top_logprobs"] = 2
+            body["top_logprobs"] = TOP_K
     if logprobs:
         body["return_tokens_as_token_ids"] = True
     return body

@@ -350,8 +350,9 @@ def main(argv: list[str] | None = None) -> int:
             rows = compare(reqs, ref_res, results[s.name], a.tie_margin)
             for pos, row in enumerate(rows):
                 row["idx_pos"] = pos
+            judged = None
             if not a.no_rescore and time.monotonic() < deadline - 10:
-                asyncio.run(
+                judged = asyncio.run(
                     rescore(
                         ref.url,
                         a.served_name,
@@ -362,11 +363,12 @@ def main(argv: list[str] | None = None) -> int:
                         deadline - 5,
                     )
                 )
-            finalize(rows)
+            finalize(rows, judged["margin"] if judged else None)
             for row in rows:
                 row.pop("idx_pos", None)
             report["candidates"][s.name] = {
                 "summary": summarize(rows, len(reqs)),
+                "tie_margin": judged,
                 "rows": rows,
             }
         for name in failed:

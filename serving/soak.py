@@ -488,10 +488,10 @@ def judge_restart(fault, greedy, items, ref_res, a, ref_url, deadline):
         row["idx_pos"] = pos
         row["feature"] = items[pos_of[i]].feature
     plain = [r for r in rows if r["feature"] != "regex"]
-    asyncio.run(
+    judged = asyncio.run(
         rescore(ref_url, a.served_name, plain, refs, cands, a.tie_margin, deadline)
     )
-    finalize(rows)
+    finalize(rows, judged["margin"])
     return rows + unjudged
 
 
@@ -742,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
             row["idx_pos"] = pos
             row["feature"] = items[pos].feature
         plain = [r for r in rows if r["feature"] != "regex"]
-        asyncio.run(
+        margin = asyncio.run(
             rescore(
                 ref.url, a.served_name, plain, ref_res, cand_res, a.tie_margin, deadline
             )  # fmt: skip
@@ -752,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
         # reference run's own top-2 (a tie when the candidate took the
         # reference's second choice within the margin; later positions have
         # another context)
-        finalize(rows)
+        finalize(rows, margin["margin"])
         for r in rows:
             if r["feature"] == "regex" and r.get("judged"):
                 r["judged"] = "structured output: first difference"
@@ -809,6 +809,7 @@ def main(argv: list[str] | None = None) -> int:
             per_feature=per_feature,
             n2_incomplete=n2_bad,
             comparison=counts,
+            tie_margin=margin,
             compared=len(rows),
             rows=[r for r in rows if r["status"] != "match"],
             spec_metrics=spec,
@@ -867,6 +868,15 @@ def markdown(r: dict) -> str:
         f"({r['config']['clients']} clients); outcomes: {r['outcomes']}.",
         f"Compared with the reference: {r['compared']} greedy requests, "
         f"{r['comparison']}.",
+        *(
+            [
+                f"Tie margin {m['margin']} nats: twice the noise measured on "
+                f"{m['measured_on']} reference answers ({m['noise']}), at "
+                f"least {m['floor']}."
+            ]
+            if (m := r.get("tie_margin"))
+            else []
+        ),
         f"Spec-decode counters: {r['spec_metrics']}; preemptions: {r['preemptions']}.",
         f"Host memory: {r['memory']}.",
         "",

@@ -384,6 +384,24 @@ def test_compare_judges_first_difference():
     assert cmp.summarize(rows[:1], 2)["verdict"] == "FAIL"  # one missing
 
 
+def test_first_difference_is_judged_from_the_reference_top_k():
+    """A candidate that took the reference's third choice, 0.03 below its
+    first, is a tie; one outside the returned top-k is at least as far as
+    the last of them (harness.compare.verify_run); a margin measured later
+    (finalize's) replaces the one compare judged with."""
+    reqs = prompts.build_requests("fastapply", 3, 0, 128)
+    top = [[[5, -0.5], [6, -0.51], [7, -0.53], [8, -3.0]]]
+    ref = [_res([5], top=top) for _ in reqs]
+    cand = [_res([7]), _res([9]), _res([8])]
+    rows = cmp.compare(reqs, ref, cand, 0.05)
+    firsts = [r["first"] for r in rows]
+    assert [f["gap"] for f in firsts] == pytest.approx([0.03, 2.5, 2.5])
+    assert [f["tie"] for f in firsts] == [True, False, False]
+    cmp.finalize(rows, margin=3.0)
+    assert [r["status"] for r in rows] == ["tie", "tie", "tie"]
+    assert prompts.TOP_K >= 4
+
+
 def test_request_sets_are_heterogeneous_and_fixed():
     a = prompts.build_requests("text", 64, 0, 128)
     assert [asdict_(r) for r in a] == [asdict_(r) for r in prompts.text_requests(64, 0)]

@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import free_port, run_until_done, subprocess_env
 
 from serving import soak
@@ -125,6 +126,34 @@ def test_ties_pass_the_soak_structured_output_included(tmp_path):
     assert r["comparison"]["tie"] > 0
     judged = {row["judged"] for row in r["rows"] if row["feature"] == "regex"}
     assert judged == {"structured output: first difference"}
+
+
+def test_the_tie_margin_is_twice_the_noise_measured_on_the_reference(tmp_path):
+    """A reference whose prefill gaps differ from its decode gaps by 0.2
+    nats (kernel-path noise, as the harness measures it): the candidate's
+    near-tie choices, 0.21 below the top choice teacher-forced, are ties
+    under the measured margin (0.4), not divergences under the bf16 floor
+    (0.05); a decisive divergence (2 nats) still fails."""
+    noisy = "ref=--fake-prefill-noise 0.2"
+    proc, r, out = _soak(
+        tmp_path, "--server-args", noisy,
+        "--server-args", "cand=--fake-perturb ties", "--vllm-cmd", TIES,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = r["tie_margin"]
+    assert m["noise"] == pytest.approx(0.2) and m["margin"] == pytest.approx(0.4)
+    assert m["measured_on"] > 0 and m["floor"] == pytest.approx(0.05)
+    assert r["comparison"]["diverged"] == 0 and r["comparison"]["tie"] > 0
+    forced = [row for row in r["rows"] if row.get("judged") == "teacher-forced"]
+    assert forced and all(
+        t["gap"] == pytest.approx(0.21) for row in forced for t in row["ties"]
+    )
+    assert "Tie margin 0.4 nats" in (out / "soak.md").read_text()
+    proc, r, _ = _soak(
+        tmp_path, "--server-args", noisy,
+        "--server-args", "cand=--fake-perturb decisive", "--vllm-cmd", TIES,
+    )  # fmt: skip
+    assert proc.returncode == 1 and r["comparison"]["diverged"] > 0
 
 
 def _restart(tmp_path, perturb):
