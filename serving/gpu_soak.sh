@@ -16,9 +16,21 @@
 #
 # Every server: chunked prefill with a per-step budget of 512 tokens, prefix
 # caching (align mode for the fixture's Gated DeltaNet layers), a KV pool of
-# SOAK_KV_BYTES (meant to be small enough that 64 running sequences
-# preempt: the soaks require preemptions > 0), CUDA graphs, Triton attention. The three runs
-# share the GPU: correctness checks only, no timing is judged.
+# SOAK_KV_BYTES (small enough that 64 running sequences preempt: the
+# soaks require preemptions > 0; 4e8 held 175k tokens of the fixture and
+# never preempted), CUDA graphs, Triton attention. The runs share the GPU:
+# correctness checks only, no timing is judged.
+#
+# A fresh host compiles each candidate for minutes (270 s for the n-gram
+# one beside other work), too long for five minutes of load in one call.
+# The compile caches live in $SOAK_WORK (default /tmp/soak-work), one per
+# drafter (cache-ngram, cache-mtp), so a short first call warms them for
+# the next ones on the same host:
+#
+#   SOAK_ARGS="--duration 0 --requests 32" SOAK_RUNS="soak-ngram soak-mtp" \
+#     bash serving/gpu_soak.sh                      # warm up (and a smoke test)
+#   SOAK_STAGGER=0 SOAK_RUNS="soak-ngram soak-mtp" bash serving/gpu_soak.sh
+#   SOAK_RUNS=fault-mtp bash serving/gpu_soak.sh
 #
 # Every run ends, its servers stopped, by SOAK_DEADLINE seconds after this
 # script started (+20 s hang guard): give the GPU call at least 60 s more.
@@ -27,9 +39,11 @@
 # when every run passed.
 #
 # Environment: SOAK_CLIENTS (256), SOAK_DURATION (300), SOAK_FAULT_REQUESTS
-# (3000), SOAK_KV_BYTES (4e8), SOAK_MAX_SEQS (64), SOAK_DEADLINE (540: the
+# (3000), SOAK_KV_BYTES (6e7), SOAK_MAX_SEQS (64), SOAK_DEADLINE (540: the
 # load stops 120 s before it, then the checks),
-# SOAK_RUNS ("soak-ngram soak-mtp fault-mtp"), SOAK_ARGS, PYTHON (python3),
+# SOAK_RUNS ("soak-ngram soak-mtp fault-mtp"), SOAK_STAGGER (1: each run
+# starts once the candidates before it are up; 0 once the caches are warm),
+# SOAK_ARGS, PYTHON (python3),
 # SOAK_BUNDLE_ENV
 # (/tmp/hybridspec/env.sh; "none" to use this Python's vLLM).
 set -u
@@ -40,7 +54,7 @@ WORK=${SOAK_WORK:-/tmp/soak-work}
 CLIENTS=${SOAK_CLIENTS:-256}
 DURATION=${SOAK_DURATION:-300}
 FAULT_REQUESTS=${SOAK_FAULT_REQUESTS:-3000}
-KV=${SOAK_KV_BYTES:-4e8}
+KV=${SOAK_KV_BYTES:-6e7}
 SEQS=${SOAK_MAX_SEQS:-64}
 DEADLINE=${SOAK_DEADLINE:-540}
 RUNS=${SOAK_RUNS:-soak-ngram soak-mtp fault-mtp}
@@ -74,7 +88,7 @@ eval "EXTRA=(${SOAK_ARGS:-})"
 pids=()
 started=()
 for run in $RUNS; do
-  if ((${#started[@]})); then
+  if ((${#started[@]})) && [[ ${SOAK_STAGGER:-1} != 0 ]]; then
     # each run starts once the candidates of the runs before it are up:
     # servers that start together compile the same Triton kernels at once
     # (on a fresh host 6 of them took 260-350 s where one takes about 70 s),
@@ -98,7 +112,7 @@ for run in $RUNS; do
   # shellcheck disable=SC2086
   timeout -k 10 $((left + 20)) "$PY" -m serving soak "${common[@]}" ${ARGS[$run]} \
     --deadline "$left" \
-    --cache-root "$WORK/cache-$run" --out "$WORK/$run" "${EXTRA[@]}" \
+    --cache-root "$WORK/cache-${run#*-}" --out "$WORK/$run" "${EXTRA[@]}" \
     > "$WORK/$run.log" 2>&1 &
   pids+=($!)
   sleep 3
