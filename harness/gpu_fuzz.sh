@@ -53,6 +53,7 @@ else
   VARIANTS=${1:-fork} DEADLINE=${2:-420} SEED=${3:-0}
   prepare_variants "$VARIANTS" 0.1 || exit 1
 fi
+flashinfer_for ""
 mkdir -p "$OUT/fuzz" "$OUT/logs"
 pids=()
 for v in $VARIANTS; do

@@ -22,6 +22,7 @@ mkdir -p "$OUT/equivalence" "$OUT/logs"
 # shellcheck disable=SC1091
 source "$R/harness/upstream_site.sh"
 prepare_variants "$VARIANTS" 0.1 || exit 1
+flashinfer_for "$SLICES"
 pids=()
 for v in $VARIANTS; do
   in_variant "$v" python3 -c \

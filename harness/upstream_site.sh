@@ -83,6 +83,16 @@ in_variant() {
 }
 # prepare_variants "VARIANTS" MEM: every variant's site made; MEM is the
 # default share of GPU memory per process (HSFORK_GPU_MEM overrides it)
+# FlashInfer, where the bundle carries it, is importable only for the calls
+# that test it (a slice list naming `flashinfer`, or HS_FLASHINFER=1): with
+# it every engine autotunes and JIT-compiles at start
+# (hsfork/flashinfer_toggle.sh says why)
+flashinfer_for() {
+  local mode=off
+  [[ " $1 " == *flashinfer* || ${HS_FLASHINFER:-0} == 1 ]] && mode=on
+  [ -d /tmp/hybridspec/deps ] && bash "$R/hsfork/flashinfer_toggle.sh" "$mode"
+  return 0
+}
 prepare_variants() {
   local v
   for v in $1; do make_site "$v" || return 1; done

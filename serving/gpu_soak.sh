@@ -62,6 +62,10 @@ ENVF=${SOAK_BUNDLE_ENV:-/tmp/hybridspec/env.sh}
 PY=${PYTHON:-python3}
 # shellcheck disable=SC1090
 [[ $ENVF == none ]] || source "$ENVF"
+# FlashInfer off (where the bundle carries it): every server would
+# autotune and JIT-compile it at start (hsfork/flashinfer_toggle.sh)
+[[ $ENVF == none ]] || [ ! -d /tmp/hybridspec/deps ] ||
+  bash "$R/hsfork/flashinfer_toggle.sh" off
 export VLLM_USE_FLASHINFER_SAMPLER=0
 mkdir -p "$OUT" "$WORK"
 MODEL=$WORK/fastapply

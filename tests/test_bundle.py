@@ -373,3 +373,41 @@ def test_the_cutlass_dsl_brings_the_quack_kernels_vllm_pins_beside_it(tmp_path):
     assert with_companions(["flashinfer-python==0.7.2.post1"], wheel) == [
         "flashinfer-python==0.7.2.post1"
     ]
+
+
+def test_flashinfer_toggle_hides_the_package_from_vllm_lookup(tmp_path):
+    """`flashinfer_toggle.sh off` moves the package and its dist-info out of
+    the bundle's dependency folder, so that find_spec (how vLLM asks) no
+    longer finds it; `on` brings both back; each is a no-op when repeated."""
+    script = Path(__file__).resolve().parent.parent / "hsfork" / "flashinfer_toggle.sh"
+    deps = tmp_path / "deps"
+    (deps / "flashinfer").mkdir(parents=True)
+    (deps / "flashinfer" / "__init__.py").write_text("")
+    (deps / "flashinfer_python-0.7.2.post1.dist-info").mkdir()
+    (deps / "other").mkdir()
+
+    def toggle(mode):
+        p = subprocess.run(
+            ["bash", str(script), mode, str(deps)], capture_output=True, text=True
+        )
+        assert p.returncode == 0, p.stderr
+        return p.stdout.strip()
+
+    def found():
+        code = "import importlib.util as u; print(u.find_spec('flashinfer') is None)"
+        p = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(deps)},
+        )
+        return p.stdout.strip() == "False"
+
+    assert found()
+    assert toggle("off") == toggle("off") == "flashinfer: off"
+    assert not found()
+    assert sorted(x.name for x in deps.iterdir()) == ["other"]
+    assert toggle("on").startswith("flashinfer: on")
+    assert toggle("on").startswith("flashinfer: on")
+    assert found()
+    assert (deps / "flashinfer_python-0.7.2.post1.dist-info").is_dir()
