@@ -173,12 +173,27 @@ def nemotron_h_config(vocab: int = VOCAB, mtp_layers: int = 1) -> dict:
     } | mtp
 
 
+# Every MoE fixture routes each token to all of its experts (top-k = the
+# number of experts). With top 2 of 4, random routers put the 2nd and 3rd
+# expert within 0.01 of each other for 4-5 % of tokens, and numerical noise
+# (bf16 against fp32, one batch shape against another) swaps which expert
+# runs: the next-token log-probabilities of the Qwen3-Next, Qwen3.5-MoE and
+# Kimi-Linear fixtures moved by up to 7.3-7.4 nats between fp32 and bf16
+# (dense Qwen3.5: 0.31), and the non-speculative fuzzer twins of Qwen3-Next
+# departed from their reference by 4 nats at no logit tie. A margin-aware
+# oracle cannot see such a tie; with every expert routed the same models
+# move by 0.28-0.32 nats. The router weights, the expert GEMMs and the
+# shared expert still run.
+MOE_TOP_K_ALL = 4
+
+
 def qwen3_next_config(vocab: int = VOCAB, mtp_layers: int = 1) -> dict:
     """Qwen3-Next: three Gated DeltaNet layers and one gated full-attention
-    layer, every MLP a small MoE (4 experts, top 2, a shared expert). vLLM
-    needs the MoE: ``Qwen3NextForCausalLM`` and ``Qwen3NextMTP`` call
-    ``set_moe_parameters``, which raises without a sparse layer, and the MTP
-    layer (index 0) is sparse whenever ``num_experts > 0``."""
+    layer, every MLP a small MoE (4 experts, all routed: ``MOE_TOP_K_ALL``;
+    a shared expert). vLLM needs the MoE: ``Qwen3NextForCausalLM`` and
+    ``Qwen3NextMTP`` call ``set_moe_parameters``, which raises without a
+    sparse layer, and the MTP layer (index 0) is sparse whenever
+    ``num_experts > 0``."""
     return {
         "architectures": ["Qwen3NextForCausalLM"],
         "model_type": "qwen3_next",
@@ -202,7 +217,7 @@ def qwen3_next_config(vocab: int = VOCAB, mtp_layers: int = 1) -> dict:
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 4,
         "num_experts": 4,
-        "num_experts_per_tok": 2,
+        "num_experts_per_tok": MOE_TOP_K_ALL,
         "moe_intermediate_size": 128,
         "shared_expert_intermediate_size": 128,
         "decoder_sparse_step": 1,
@@ -225,10 +240,11 @@ def kimi_linear_config(vocab: int = VOCAB) -> dict:
     """Kimi-Linear in the layout of the published checkpoint's config (the
     keys of vLLM's ``KimiLinearConfig``; transformers maps them): three KDA
     layers and one MLA layer (NoPE), layer 0 a dense MLP, the others a small
-    MoE (4 experts, top 2, sigmoid router, one shared expert). MLA keeps the
-    published latent sizes (kv_lora_rank 512 + rope 64 = 576): vLLM's
-    FlashMLA, FlashAttention-MLA, CUTLASS and FlashInfer MLA backends take
-    head sizes 576 and 320 only (Triton MLA takes any)."""
+    MoE (4 experts, all routed: ``MOE_TOP_K_ALL``; sigmoid router, one
+    shared expert). MLA keeps the published latent sizes (kv_lora_rank 512
+    + rope 64 = 576): vLLM's FlashMLA, FlashAttention-MLA, CUTLASS and
+    FlashInfer MLA backends take head sizes 576 and 320 only (Triton MLA
+    takes any)."""
     return {
         "architectures": ["KimiLinearForCausalLM"],
         "model_type": "kimi_linear",
@@ -250,7 +266,7 @@ def kimi_linear_config(vocab: int = VOCAB) -> dict:
         "v_head_dim": 128,
         "mla_use_nope": True,
         "num_experts": 4,
-        "num_experts_per_token": 2,
+        "num_experts_per_token": MOE_TOP_K_ALL,
         "num_shared_experts": 1,
         "moe_renormalize": True,
         "moe_router_activation_func": "sigmoid",
@@ -404,7 +420,7 @@ def zamba2_config(vocab: int = VOCAB) -> dict:
 
 def jamba_config(vocab: int = VOCAB) -> dict:
     """Jamba: Mamba (v1) layers 0, 1, 3 and attention layer 2; layers 1
-    and 3 a small MoE (4 experts, top 2), 0 and 2 a dense MLP."""
+    and 3 a small MoE (4 experts, all routed), 0 and 2 a dense MLP."""
     return {
         "architectures": ["JambaForCausalLM"],
         "model_type": "jamba",
@@ -420,7 +436,7 @@ def jamba_config(vocab: int = VOCAB) -> dict:
         "expert_layer_period": 2,
         "expert_layer_offset": 1,
         "num_experts": 4,
-        "num_experts_per_tok": 2,
+        "num_experts_per_tok": MOE_TOP_K_ALL,
         "mamba_d_state": 16,
         "mamba_d_conv": 4,
         "mamba_expand": 2,
@@ -475,7 +491,7 @@ def lfm2_config(vocab: int = VOCAB) -> dict:
 
 def lfm2_moe_config(vocab: int = VOCAB) -> dict:
     """LFM2-MoE: LFM2's layers, layer 0 a dense MLP, the others a small MoE
-    (4 experts, top 2, sigmoid router with an expert bias)."""
+    (4 experts, all routed, sigmoid router with an expert bias)."""
     return {
         "architectures": ["Lfm2MoeForCausalLM"],
         "model_type": "lfm2_moe",
@@ -487,7 +503,7 @@ def lfm2_moe_config(vocab: int = VOCAB) -> dict:
         "layer_types": _lfm2_layers(),
         "num_dense_layers": 1,
         "num_experts": 4,
-        "num_experts_per_tok": 2,
+        "num_experts_per_tok": MOE_TOP_K_ALL,
         "use_expert_bias": True,
         "norm_topk_prob": True,
         "routed_scaling_factor": 1.0,
@@ -562,7 +578,8 @@ def mamba2_config(vocab: int = VOCAB) -> dict:
 def qwen3_5_moe_config(vocab: int = VOCAB, mtp_layers: int = 1) -> dict:
     """Qwen3.5-MoE: the Qwen3.5 fixture (``qwen3_5_config``: three GDN
     layers, one gated attention layer, a small vision tower) with every MLP
-    a small MoE (4 experts, top 2, a shared expert), MTP weights."""
+    a small MoE (4 experts, all routed: ``MOE_TOP_K_ALL``; a shared expert),
+    MTP weights."""
     cfg = qwen3_5_config(vocab, mtp_layers)
     cfg["architectures"] = ["Qwen3_5MoeForConditionalGeneration"]
     cfg["model_type"] = "qwen3_5_moe"
@@ -572,7 +589,7 @@ def qwen3_5_moe_config(vocab: int = VOCAB, mtp_layers: int = 1) -> dict:
     del text["intermediate_size"]
     text.update(
         num_experts=4,
-        num_experts_per_tok=2,
+        num_experts_per_tok=MOE_TOP_K_ALL,
         moe_intermediate_size=128,
         shared_expert_intermediate_size=128,
     )
