@@ -317,13 +317,14 @@ def with_companions(requirements: Collection[str], wheel: Path) -> list[str]:
     requirements at the pins of the fork wheel's own metadata."""
 
     def name(req: str) -> str:  # PEP 508: the name leads
-        return canonical(re.match(r"\s*([A-Za-z0-9._-]+)", req).group(1))
+        m = re.match(r"\s*([A-Za-z0-9._-]+)", req)
+        return canonical(m.group(1) if m else req)
 
     out = list(requirements)
     named = {name(r) for r in out}
     pins = {name(r): r for r in _wheel_requires(wheel)}
-    for name in sorted(named):
-        for comp in COMPANIONS.get(name, ()):
+    for asked in sorted(named):
+        for comp in COMPANIONS.get(asked, ()):
             if comp not in named and comp in pins:
                 out.append(pins[comp].split(";", 1)[0].strip())
                 named.add(comp)

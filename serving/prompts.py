@@ -2,7 +2,7 @@
 prompts with their known answers, or heterogeneous text and code prompts for
 a general model; each request's endpoint (completions or chat) and stream
 mode rotate, and ``payload`` is its OpenAI-compatible body (greedy, token ids
-returned, top-2 log-probabilities where asked)."""
+returned, top-k log-probabilities where asked: ``TOP_K``)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ CPU host want):
    ``/v1/completions`` and ``/v1/chat/completions``, streaming (chunks
    concatenated) and not, in a fixed rotation. Every request asks for the
    token ids (vLLM's ``return_token_ids``); the reference's also ask for
-   the top-2 log-probabilities (``--logprobs ref``);
+   the top-k log-probabilities (``--logprobs ref``, ``prompts.TOP_K``);
 4. scrapes each server's ``/metrics`` before and after: the spec-decode
    counters (``vllm:spec_decode_num_drafts``, ``_num_draft_tokens``,
    ``_num_accepted_tokens``, per position) give the acceptance rate and the
@@ -33,9 +33,11 @@ CPU host want):
    margin-aware as ``harness.compare`` does: the reference server scores
    ``prompt + candidate tokens`` teacher-forced (``prompt_logprobs``); a
    position where the candidate's token is below the reference's top choice
-   by less than ``--tie-margin`` (bf16 noise) is a *tie*, by more a
-   *divergence*. Without that (``--no-rescore``) only the first difference
-   is judged, from the reference's own top-2;
+   by less than the tie margin is a *tie*, by more a *divergence*; the
+   margin is ``--tie-margin`` (bf16 noise) or twice the noise measured on
+   the reference's own answers, whichever is larger (``compare.rescore``).
+   Without that (``--no-rescore``) only the first difference is judged,
+   from the reference's own top-k;
 6. optionally runs lm-eval against every server (``--lm-eval TASK_DIR``,
    see ``serving/lm_eval_task``);
 7. writes ``OUT/serve_check.json`` (every response, every judgement, the

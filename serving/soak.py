@@ -37,9 +37,10 @@ In order (the servers through ``serving.servers``, as ``serve_check``):
    ``--expect-preemption`` requires);
 5. replays every greedy request that completed (stop strings and
    structured output included) on the reference and compares, margin-aware
-   as ``serve_check`` does (teacher-forced by the reference); a structured
-   output request is judged at its first difference only, from the
-   reference run's own top-2 (teacher forcing does not see the grammar);
+   as ``serve_check`` does (teacher-forced by the reference, with a tie
+   margin of twice the noise measured on the reference's own answers); a
+   structured output request is judged at its first difference only, from
+   the reference run's own top-k (teacher forcing does not see the grammar);
    checks each ``n=2`` request returned two finished choices;
 6. writes ``OUT/soak.json`` (every request's outcome, the samples, the
    metrics, the verdicts), ``OUT/soak.md`` and ``OUT/soak.png`` (memory and
@@ -742,17 +743,17 @@ def main(argv: list[str] | None = None) -> int:
             row["idx_pos"] = pos
             row["feature"] = items[pos].feature
         plain = [r for r in rows if r["feature"] != "regex"]
-        margin = asyncio.run(
+        judged = asyncio.run(
             rescore(
                 ref.url, a.served_name, plain, ref_res, cand_res, a.tie_margin, deadline
             )  # fmt: skip
         )
         # structured output: teacher forcing does not see the grammar, so
         # such a request is judged at its first difference only, from the
-        # reference run's own top-2 (a tie when the candidate took the
-        # reference's second choice within the margin; later positions have
-        # another context)
-        finalize(rows, margin["margin"])
+        # reference run's own top-k (a tie when the candidate's token is
+        # within the measured margin of the reference's; later positions
+        # have another context)
+        finalize(rows, judged["margin"])
         for r in rows:
             if r["feature"] == "regex" and r.get("judged"):
                 r["judged"] = "structured output: first difference"
@@ -809,7 +810,7 @@ def main(argv: list[str] | None = None) -> int:
             per_feature=per_feature,
             n2_incomplete=n2_bad,
             comparison=counts,
-            tie_margin=margin,
+            tie_margin=judged,
             compared=len(rows),
             rows=[r for r in rows if r["status"] != "match"],
             spec_metrics=spec,
