@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import asyncio
 
+from harness.compare import TIE_MARGIN as HARNESS_TIE_MARGIN
+from harness.compare import Position, noise
+
 from .servers import time_left
 
-TIE_MARGIN = 0.05  # nats; harness.compare.TIE_MARGIN["bfloat16"]
+TIE_MARGIN = HARNESS_TIE_MARGIN["bfloat16"]  # nats
 NOISE_SAMPLE = 64  # matching answers teacher-forced beside the differing ones
 
 
@@ -99,20 +102,18 @@ def _score(entry: dict | None) -> dict[int, float]:
 
 
 def gap_noise(top: list, plp: list, start: int) -> float:
-    """Largest difference between the top-1/top-2 gap the reference decoded
-    with (``top``, per generated token) and the gap of its teacher-forced
-    prefill (``plp``, prompt logprobs from ``start``) where both rank the
-    same two tokens first (``harness.compare.noise``)."""
-    worst = 0.0
+    """``harness.compare.noise`` of a served answer: the largest difference
+    between the top-1/top-2 gap the reference decoded with (``top``, per
+    generated token) and the gap of its teacher-forced prefill (``plp``,
+    prompt logprobs from ``start``) where both rank the same two tokens
+    first."""
+    generated, forced = [], []
     for j, t in enumerate(top):
-        k = start + j
-        if not t or len(t) < 2 or k >= len(plp):
-            continue
-        f = sorted(_score(plp[k]).items(), key=lambda x: -x[1])
-        if len(f) < 2 or (f[0][0], f[1][0]) != (int(t[0][0]), int(t[1][0])):
-            continue
-        worst = max(worst, abs((t[0][1] - t[1][1]) - (f[0][1] - f[1][1])))
-    return worst
+        entry = _score(plp[start + j]) if start + j < len(plp) else {}
+        if t and entry:
+            generated.append(Position.top({int(tok): lp for tok, lp in t}))
+            forced.append(Position.top(entry))
+    return noise(generated, forced)
 
 
 async def rescore(url, model, rows, ref_res, cand_res, margin, deadline) -> dict:
