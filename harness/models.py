@@ -173,23 +173,23 @@ def nemotron_h_config(vocab: int = VOCAB, mtp_layers: int = 1) -> dict:
     } | mtp
 
 
-# Every MoE fixture routes each token to all of its experts (top-k = the
-# number of experts). With top 2 of 4, random routers put the 2nd and 3rd
-# expert within 0.01 of each other for 4-5 % of tokens, and numerical noise
-# (bf16 against fp32, one batch shape against another) swaps which expert
-# runs: the next-token log-probabilities of the Qwen3-Next, Qwen3.5-MoE and
-# Kimi-Linear fixtures moved by up to 7.3-7.4 nats between fp32 and bf16
-# (dense Qwen3.5: 0.31), and the non-speculative fuzzer twins of Qwen3-Next
-# departed from their reference by 4 nats at no logit tie. A margin-aware
-# oracle cannot see such a tie; with every expert routed the same models
-# move by 0.28-0.32 nats. The router weights, the expert GEMMs and the
-# shared expert still run.
-MOE_TOP_K_ALL = 4
+# Every MoE fixture has MOE_EXPERTS experts and routes each token to all of
+# them (top-k = the number of experts). With top 2 of 4, random routers put
+# the 2nd and 3rd expert within 0.01 of each other for 4-5 % of tokens, and
+# numerical noise (bf16 against fp32, one batch shape against another) swaps
+# which expert runs: the next-token log-probabilities of the Qwen3-Next,
+# Qwen3.5-MoE and Kimi-Linear fixtures moved by up to 7.3-7.4 nats between
+# fp32 and bf16 (dense Qwen3.5: 0.31), and the non-speculative fuzzer twins
+# of Qwen3-Next departed from their reference by 4 nats at no logit tie. A
+# margin-aware oracle cannot see such a tie; with every expert routed the
+# MoE fixtures move by 0.16-0.32 nats. The router weights, the expert GEMMs
+# and the shared expert still run.
+MOE_EXPERTS = 4
 
 
 def qwen3_next_config(vocab: int = VOCAB, mtp_layers: int = 1) -> dict:
     """Qwen3-Next: three Gated DeltaNet layers and one gated full-attention
-    layer, every MLP a small MoE (4 experts, all routed: ``MOE_TOP_K_ALL``;
+    layer, every MLP a small MoE (``MOE_EXPERTS``, all routed;
     a shared expert). vLLM needs the MoE: ``Qwen3NextForCausalLM`` and
     ``Qwen3NextMTP`` call ``set_moe_parameters``, which raises without a
     sparse layer, and the MTP layer (index 0) is sparse whenever
@@ -216,8 +216,8 @@ def qwen3_next_config(vocab: int = VOCAB, mtp_layers: int = 1) -> dict:
         "linear_value_head_dim": 64,
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 4,
-        "num_experts": 4,
-        "num_experts_per_tok": MOE_TOP_K_ALL,
+        "num_experts": MOE_EXPERTS,
+        "num_experts_per_tok": MOE_EXPERTS,
         "moe_intermediate_size": 128,
         "shared_expert_intermediate_size": 128,
         "decoder_sparse_step": 1,
@@ -240,7 +240,7 @@ def kimi_linear_config(vocab: int = VOCAB) -> dict:
     """Kimi-Linear in the layout of the published checkpoint's config (the
     keys of vLLM's ``KimiLinearConfig``; transformers maps them): three KDA
     layers and one MLA layer (NoPE), layer 0 a dense MLP, the others a small
-    MoE (4 experts, all routed: ``MOE_TOP_K_ALL``; sigmoid router, one
+    MoE (``MOE_EXPERTS``, all routed; sigmoid router, one
     shared expert). MLA keeps the published latent sizes (kv_lora_rank 512
     + rope 64 = 576): vLLM's FlashMLA, FlashAttention-MLA, CUTLASS and
     FlashInfer MLA backends take head sizes 576 and 320 only (Triton MLA
@@ -265,8 +265,8 @@ def kimi_linear_config(vocab: int = VOCAB) -> dict:
         "qk_rope_head_dim": 64,
         "v_head_dim": 128,
         "mla_use_nope": True,
-        "num_experts": 4,
-        "num_experts_per_token": MOE_TOP_K_ALL,
+        "num_experts": MOE_EXPERTS,
+        "num_experts_per_token": MOE_EXPERTS,
         "num_shared_experts": 1,
         "moe_renormalize": True,
         "moe_router_activation_func": "sigmoid",
@@ -435,8 +435,8 @@ def jamba_config(vocab: int = VOCAB) -> dict:
         "attn_layer_offset": 2,
         "expert_layer_period": 2,
         "expert_layer_offset": 1,
-        "num_experts": 4,
-        "num_experts_per_tok": MOE_TOP_K_ALL,
+        "num_experts": MOE_EXPERTS,
+        "num_experts_per_tok": MOE_EXPERTS,
         "mamba_d_state": 16,
         "mamba_d_conv": 4,
         "mamba_expand": 2,
@@ -502,8 +502,8 @@ def lfm2_moe_config(vocab: int = VOCAB) -> dict:
         "num_hidden_layers": 4,
         "layer_types": _lfm2_layers(),
         "num_dense_layers": 1,
-        "num_experts": 4,
-        "num_experts_per_tok": MOE_TOP_K_ALL,
+        "num_experts": MOE_EXPERTS,
+        "num_experts_per_tok": MOE_EXPERTS,
         "use_expert_bias": True,
         "norm_topk_prob": True,
         "routed_scaling_factor": 1.0,
@@ -578,7 +578,7 @@ def mamba2_config(vocab: int = VOCAB) -> dict:
 def qwen3_5_moe_config(vocab: int = VOCAB, mtp_layers: int = 1) -> dict:
     """Qwen3.5-MoE: the Qwen3.5 fixture (``qwen3_5_config``: three GDN
     layers, one gated attention layer, a small vision tower) with every MLP
-    a small MoE (4 experts, all routed: ``MOE_TOP_K_ALL``; a shared expert),
+    a small MoE (``MOE_EXPERTS``, all routed; a shared expert),
     MTP weights."""
     cfg = qwen3_5_config(vocab, mtp_layers)
     cfg["architectures"] = ["Qwen3_5MoeForConditionalGeneration"]
@@ -588,8 +588,8 @@ def qwen3_5_moe_config(vocab: int = VOCAB, mtp_layers: int = 1) -> dict:
     text["model_type"] = "qwen3_5_moe_text"
     del text["intermediate_size"]
     text.update(
-        num_experts=4,
-        num_experts_per_tok=MOE_TOP_K_ALL,
+        num_experts=MOE_EXPERTS,
+        num_experts_per_tok=MOE_EXPERTS,
         moe_intermediate_size=128,
         shared_expert_intermediate_size=128,
     )

@@ -512,7 +512,7 @@ def test_moe_fixtures_do_not_swap_experts_under_bf16_noise(kind):
     fp32 and bf16 than a dense fixture's (0.3 nats): with top 2 of 4 random
     experts, bf16 noise swapped the 2nd and 3rd expert and moved them by
     7.3-7.4 nats (Qwen3-Next, Qwen3.5-MoE, Kimi-Linear), a jump the
-    margin-aware oracle cannot tell from a bug. harness.models.MOE_TOP_K_ALL
+    margin-aware oracle cannot tell from a bug. harness.models.MOE_EXPERTS
     routes every token to every expert."""
     import torch
 
