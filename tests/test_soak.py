@@ -237,7 +237,13 @@ def test_gpu_soak_script_dry_run(tmp_path):
         f"--port {free_port()} --vllm-cmd '{FAKE}' "
         "--server-args 'cand=--fake-engine-child --fake-preempt-every 5'"
     )
-    proc = _gpu_soak(tmp_path, "against fake servers", extra, SOAK_CLIENTS="4")
+    # a deadline far out: the runs end by request count, however slow the
+    # machine (the script's deadline is tested below with a server that
+    # never starts)
+    proc = _gpu_soak(
+        tmp_path, "against fake servers", extra,
+        SOAK_CLIENTS="4", SOAK_DEADLINE="100000",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     summary = (out / "SOAK.md").read_text()
     assert summary.count("# Soak: PASS") == 2
