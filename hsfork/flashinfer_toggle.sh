@@ -10,9 +10,12 @@
 # them back; both are no-ops when there is nothing to move. Why: with
 # FlashInfer importable, every vLLM engine autotunes and JIT-compiles what it
 # uses at start (the bundle carries no flashinfer-cubin), so sixteen
-# processes sharing a GPU timed out before their first step. vLLM looks the
-# package up by name (importlib.util.find_spec), so only its absence turns
-# it off: a stub package that fails to import would be taken as present.
+# processes sharing a GPU timed out before their first step. vLLM has no
+# switch for this: `--kernel-config '{"enable_flashinfer_autotune": false}'`
+# skips only the autotuner, not the kernels FlashInfer JIT-compiles, and
+# has_flashinfer() looks the package up by name (importlib.util.find_spec),
+# so only its absence turns it off (a stub that fails to import would be
+# taken as present).
 set -euo pipefail
 MODE=${1:?off, on or status}
 DEPS=${2:-/tmp/hybridspec/deps}
