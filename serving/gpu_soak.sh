@@ -15,11 +15,15 @@
 #               completed, its engine core is SIGKILLed; restart and replay
 #
 # Every server: chunked prefill with a per-step budget of 512 tokens, prefix
-# caching (align mode for the fixture's Gated DeltaNet layers), a KV pool of
-# SOAK_KV_BYTES (small enough that 64 running sequences preempt: the
-# soaks require preemptions > 0; 4e8 held 175k tokens of the fixture and
-# never preempted), CUDA graphs, Triton attention. The runs share the GPU:
-# correctness checks only, no timing is judged.
+# caching (align mode for the fixture's Gated DeltaNet layers), a KV pool
+# small enough that 64 running sequences preempt (the soaks require
+# preemptions > 0), CUDA graphs, Triton attention. The pool is in bytes and
+# a token's cost depends on the drafter: with n-gram k=64 in align mode the
+# Mamba page holds more, the attention block grows to 208 tokens, and 6e7
+# bytes held 8,906 tokens (no preemption in 5 minutes); with MTP k=3 the
+# block is 80 tokens and 6e7 held 26,300. So SOAK_KV_NGRAM (3.5e7: about
+# 24 blocks, just above one 4,096-token request) and SOAK_KV_MTP (2.5e7).
+# The runs share the GPU: correctness checks only, no timing is judged.
 #
 # A fresh host compiles each candidate for minutes (270 s for the n-gram
 # one beside other work), too long for five minutes of load in one call.
@@ -39,7 +43,8 @@
 # when every run passed.
 #
 # Environment: SOAK_CLIENTS (256), SOAK_DURATION (300), SOAK_FAULT_REQUESTS
-# (3000), SOAK_KV_BYTES (6e7), SOAK_MAX_SEQS (64), SOAK_DEADLINE (540: the
+# (3000), SOAK_KV_NGRAM (3.5e7), SOAK_KV_MTP (2.5e7), SOAK_MAX_SEQS (64),
+# SOAK_DEADLINE (540: the
 # load stops 120 s before it, then the checks),
 # SOAK_RUNS ("soak-ngram soak-mtp fault-mtp"), SOAK_STAGGER (1: each run
 # starts once the candidates before it are up; 0 once the caches are warm),
@@ -54,7 +59,8 @@ WORK=${SOAK_WORK:-/tmp/soak-work}
 CLIENTS=${SOAK_CLIENTS:-256}
 DURATION=${SOAK_DURATION:-300}
 FAULT_REQUESTS=${SOAK_FAULT_REQUESTS:-3000}
-KV=${SOAK_KV_BYTES:-6e7}
+KV_NGRAM=${SOAK_KV_NGRAM:-3.5e7}
+KV_MTP=${SOAK_KV_MTP:-2.5e7}
 SEQS=${SOAK_MAX_SEQS:-64}
 DEADLINE=${SOAK_DEADLINE:-540}
 RUNS=${SOAK_RUNS:-soak-ngram soak-mtp fault-mtp}
@@ -79,12 +85,12 @@ ENGINE+=" --max-num-batched-tokens 512"
 # the candidates are loaded (the comparison is margin-aware)
 common=(--model "$MODEL" --server ref=none --server-args ref=--enforce-eager
   --clients "$CLIENTS"
-  --max-num-seqs "$SEQS" --kv-bytes "$KV" --gpu-mem 0.08
+  --max-num-seqs "$SEQS" --gpu-mem 0.08
   --engine-args "$ENGINE")
 declare -A ARGS=(
-  [soak-ngram]="--server cand=ngram --duration $DURATION --expect-preemption --bad-requests --port 8400"
-  [soak-mtp]="--server cand=mtp --duration $DURATION --expect-preemption --port 8500"
-  [fault-mtp]="--server cand=mtp --duration 0 --requests $FAULT_REQUESTS --fault kill-engine --kill-after $((FAULT_REQUESTS / 3)) --port 8600"
+  [soak-ngram]="--server cand=ngram --kv-bytes $KV_NGRAM --duration $DURATION --expect-preemption --bad-requests --port 8400"
+  [soak-mtp]="--server cand=mtp --kv-bytes $KV_MTP --duration $DURATION --expect-preemption --port 8500"
+  [fault-mtp]="--server cand=mtp --kv-bytes $KV_MTP --duration 0 --requests $FAULT_REQUESTS --fault kill-engine --kill-after $((FAULT_REQUESTS / 3)) --port 8600"
 )
 # SOAK_ARGS: more soak arguments for every run (the last of an option wins;
 # the CPU dry run passes a fake server and a request count)

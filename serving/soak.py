@@ -466,6 +466,20 @@ async def replay(url: str, model: str, items, concurrency: int, logprobs: bool):
         return await asyncio.gather(*(one(sr) for sr in items))
 
 
+def distinct(items, model: str) -> tuple[list, list[int]]:
+    """The distinct requests among ``items`` (by the body the reference is
+    sent) and, for each item, the position of its request among them."""
+    first: dict[str, int] = {}
+    uniq, slot = [], []
+    for sr in items:
+        key = json.dumps(soak_payload(sr, model, True), sort_keys=True)
+        if key not in first:
+            first[key] = len(uniq)
+            uniq.append(sr)
+        slot.append(first[key])
+    return uniq, slot
+
+
 def judge_restart(fault, greedy, items, ref_res, a, ref_url, deadline):
     """Rows (serving.compare) of the replayed requests whose answer after
     the restart differs from the one before the kill, judged against the
@@ -733,10 +747,17 @@ def main(argv: list[str] | None = None) -> int:
         items = [soak_request(pool, i, a.prompts) for i in greedy]
         if asyncio.run(wait_ready([ref], deadline, log)):
             raise CheckError(f"not ready: {ref.name}\n" + log_tail(ref.log))
-        log(f"[soak] replaying {len(items)} greedy requests on {ref.name}")
-        ref_res = asyncio.run(
-            replay(ref.url, a.served_name, items, a.ref_concurrency, True)
+        # the load draws its requests from a pool of prompts: a greedy
+        # request sent many times has one reference answer
+        uniq, slot = distinct(items, a.served_name)
+        log(
+            f"[soak] replaying {len(uniq)} distinct of {len(items)} greedy "
+            f"requests on {ref.name}"
         )
+        ref_uniq = asyncio.run(
+            replay(ref.url, a.served_name, uniq, a.ref_concurrency, True)
+        )
+        ref_res = [ref_uniq[j] for j in slot]
         cand_res = [results[i] for i in greedy]
         rows = compare([sr.req for sr in items], ref_res, cand_res, a.tie_margin)
         for pos, row in enumerate(rows):
@@ -812,6 +833,7 @@ def main(argv: list[str] | None = None) -> int:
             comparison=counts,
             tie_margin=judged,
             compared=len(rows),
+            replayed_distinct=len(uniq),
             rows=[r for r in rows if r["status"] != "match"],
             spec_metrics=spec,
             preemptions=preemptions,
@@ -867,7 +889,8 @@ def markdown(r: dict) -> str:
         "",
         f"{r['started']} requests in {r['load_s']} s "
         f"({r['config']['clients']} clients); outcomes: {r['outcomes']}.",
-        f"Compared with the reference: {r['compared']} greedy requests, "
+        f"Compared with the reference: {r['compared']} greedy requests "
+        f"({r.get('replayed_distinct', r['compared'])} distinct ones replayed), "
         f"{r['comparison']}.",
         *(
             [

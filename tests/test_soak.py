@@ -68,6 +68,17 @@ def test_mixed_load_passes_against_a_right_candidate(tmp_path):
     assert "# Malformed requests: PASS" in (out / "bad_requests.md").read_text()
 
 
+def test_a_request_sent_many_times_is_replayed_once(tmp_path):
+    """The load cycles through its prompt pool: the reference answers each
+    distinct greedy request once, and every copy is compared with it."""
+    proc, r, _ = _soak(tmp_path, "--pool", "8")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # prompt i % 8, feature by i % 10: the plain ones are the 8 prompts,
+    # the stop and regex ones (i % 10 == 3, 7) 4 prompts each
+    assert r["compared"] == 64 and r["comparison"]["match"] == 64
+    assert r["replayed_distinct"] == 16
+
+
 def test_a_candidate_that_answers_malformed_requests_with_5xx_fails(tmp_path):
     proc, r, out = _soak(
         tmp_path, "--bad-requests", "--requests", "16",
