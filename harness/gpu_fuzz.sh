@@ -55,6 +55,10 @@ else
 fi
 flashinfer_for ""
 mkdir -p "$OUT/fuzz" "$OUT/logs"
+# shellcheck disable=SC1091
+source "$R/harness/pack_out.sh"
+# a call killed at its limit still returns the run files written so far
+[ "${HS_PACK:-1}" = 1 ] && pack_start "$MODE" fuzz logs
 pids=()
 for v in $VARIANTS; do
   name=${v//+/-with-}
@@ -102,8 +106,7 @@ EOF
 # $OUT: the run files, report and logs travel as one archive (HS_PACK=0
 # keeps the files as they are).
 if [ "${HS_PACK:-1}" = 1 ]; then
-  tar -czf "$OUT/$MODE-$(date +%H%M%S).tgz" -C "$OUT" fuzz logs &&
-    rm -rf "$OUT/fuzz" "$OUT/logs" && echo "report: FUZZ.md in $OUT/$MODE-*.tgz"
+  pack_final "$MODE" fuzz logs && echo "report: FUZZ.md in $OUT/$MODE-*.tgz"
 else
   echo "report: $OUT/fuzz/FUZZ.md"
 fi

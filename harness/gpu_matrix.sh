@@ -21,8 +21,12 @@ OUT=${OUT:-$R/out}
 mkdir -p "$OUT/equivalence" "$OUT/logs"
 # shellcheck disable=SC1091
 source "$R/harness/upstream_site.sh"
+# shellcheck disable=SC1091
+source "$R/harness/pack_out.sh"
 prepare_variants "$VARIANTS" 0.1 || exit 1
 flashinfer_for "$SLICES"
+# a call killed at its limit still returns the reports written so far
+[ "${HS_PACK:-1}" = 1 ] && pack_start equivalence equivalence logs
 pids=()
 for v in $VARIANTS; do
   in_variant "$v" python3 -c \
@@ -51,6 +55,5 @@ done
 # $OUT: this call's reports and logs travel as one archive (HS_PACK=0 keeps
 # the files as they are).
 if [ "${HS_PACK:-1}" = 1 ]; then
-  tar -czf "$OUT/equivalence-$(date +%H%M%S).tgz" -C "$OUT" equivalence logs &&
-    rm -rf "$OUT/equivalence" "$OUT/logs"
+  pack_final equivalence equivalence logs
 fi
