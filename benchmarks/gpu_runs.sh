@@ -14,6 +14,15 @@
 #   bash benchmarks/gpu_runs.sh mtp-mrv2 [DEADLINE_S]
 #       issue 5: MTP k=3 on Model Runner V2, fork vs upstream side by side
 #       (benchmarks.side_by_side): $OUT/mtp-mrv2
+#   bash benchmarks/gpu_runs.sh traces
+#       record per-request draft/accept traces (harness.traces) of the real
+#       drafters on the trained fast-apply fixture and on random prompts,
+#       TRACES entries DRAFTER,K,PROMPTS (default: n-gram k=64, n-gram k=8,
+#       MTP k=3 on fastapply; n-gram k=64 on random): $OUT/traces/*.jsonl
+#   bash benchmarks/gpu_runs.sh replay TRACE.jsonl [DEADLINE_S]
+#       that trace replayed through the scripted drafter on the Qwen3.5-9B
+#       shape, fork vs upstream side by side, BS 1/8/32/64 with CUDA graphs
+#       (decode_latency --trace): $OUT/replay-<trace name>
 set -u
 R=$PWD
 OUT=${OUT:-$R/out}
@@ -57,5 +66,23 @@ mtp-mrv2)
     --modes mtp --out "$OUT/mtp-mrv2" --run mtp-mrv2 --deadline "${2:-540}" \
     -- --runner mrv2 --label mtp_mrv2 --mtp-k 3 --tokens 96
   ;;
-*) echo "usage: $0 profile|tq|mtp-mrv2 ..."; exit 2 ;;
+traces)
+  mkdir -p "$OUT/traces"
+  for spec in ${TRACES:-ngram,64,fastapply ngram,8,fastapply mtp,3,fastapply ngram,64,random}; do
+    IFS=, read -r d k p <<<"$spec"
+    name="${d//:/-}-k$k-$p"
+    in_variant fork timeout "${TRACE_TIMEOUT:-240}" python3 -m harness.traces record \
+      --drafter "$d" --k "$k" --prompts "$p" --batch 8 --n 64 \
+      --out "$OUT/traces/$name.jsonl" > "$OUT/logs/trace-$name.log" 2>&1
+    python3 -m harness.traces summary "$OUT/traces/$name.jsonl" 2>&1 | tail -1
+  done
+  ;;
+replay)
+  trace=${2:?trace file}
+  name=$(basename "$trace" .jsonl)
+  in_variant fork python3 -m benchmarks.side_by_side --modes scripted70 \
+    --out "$OUT/replay-$name" --run "trace-$name" --deadline "${3:-540}" \
+    -- --trace "$trace" --batch-sizes 1,8,32,64 --tokens 96
+  ;;
+*) echo "usage: $0 profile|tq|mtp-mrv2|traces|replay ..."; exit 2 ;;
 esac
