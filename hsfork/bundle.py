@@ -70,6 +70,8 @@ UPLOAD_LIMIT = 64 << 20
 UPLOAD_MARGIN = 3 << 20
 # Never carried: the host's torch, triton and CUDA libraries serve (the
 # "host torch" staging); stage_torch.py stages the declared ones.
+# The lent hosts' CUDA (torch 2.11.0+cu130, nvcc 13.0, a CUDA 13 driver)
+HOST_CUDA_MAJOR = 13
 HOST_STACK = (
     "torch",
     "torchaudio",
@@ -194,10 +196,17 @@ def resolve_dependencies(
     host: dict[str, str | None] | None = None,
     report: dict | None = None,
     carry: Collection[str] = (),
+    host_cuda: int = HOST_CUDA_MAJOR,
 ) -> list[Path]:
     """Download into ``dest`` the wheels the requirements need on a cp312
     host, walking dependencies breadth-first. Returns the wheels, one per
     project.
+
+    A project split into CUDA flavors (``X-cu12``, ``X-cu13``) that brings
+    the host's flavor (``host_cuda``) does not carry the others: the
+    CUTLASS DSL depends on its cu12 libraries unconditionally (92 MB) and
+    loads the newest flavor the driver supports, cu13 on these hosts
+    (``report["other_cuda_flavors"]``).
 
     A package preinstalled on the host (``host``, default
     ``gpu_host_packages.txt``) is neither carried nor walked into when the
@@ -298,6 +307,16 @@ def resolve_dependencies(
     for whl in dest.glob("*.whl"):
         if whl not in chosen.values():
             whl.unlink()
+    # other CUDA flavors stay in ``dest`` (a cache), out of the bundle
+    flavored = {n: re.fullmatch(r"(.+)-cu(\d+)", n) for n in chosen}
+    other = sorted(
+        n
+        for n, m in flavored.items()
+        if m and int(m[2]) != host_cuda and f"{m[1]}-cu{host_cuda}" in chosen
+    )
+    for n in other:
+        del chosen[n]
+    report["other_cuda_flavors"] = other
     report["host_stack_unmet"] = sorted(unmet.values())
     report["assumed"] = sorted(assumed)
     report["carried_over_host"] = sorted(n for n in chosen if n in host)
@@ -681,6 +700,8 @@ def make_bundle(
         info(f"{len(dep_wheels)} dependency wheel(s) the GPU host lacks")
         for line in report.get("host_stack_unmet", []):
             info(f"not carried (the host's serves): {line}")
+        for name in report.get("other_cuda_flavors", []):
+            info(f"not carried (another CUDA flavor than the host's): {name}")
     manifest = build_bundle(
         out_dir,
         fork_wheels[-1],

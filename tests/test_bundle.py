@@ -273,11 +273,13 @@ from hsfork import bundle
 INDEX = {
     "nvidia-cutlass-dsl": ("4.8.0", [
         "nvidia-cutlass-dsl-libs-base==4.8.0",
+        "nvidia-cutlass-dsl-libs-cu12==4.8.0",
         'nvidia-cutlass-dsl-libs-cu13==4.8.0; extra == "cu13"',
         "nvidia-cuda-runtime>=13",
         "numpy",
     ]),
     "nvidia-cutlass-dsl-libs-base": ("4.8.0", []),
+    "nvidia-cutlass-dsl-libs-cu12": ("4.8.0", []),
     "nvidia-cutlass-dsl-libs-cu13": ("4.8.0", []),
 }
 asked = []
@@ -308,6 +310,12 @@ got = bundle.resolve_dependencies(["nvidia-cutlass-dsl[cu13]==4.8.0"], tmp / "a"
                                   carry={"nvidia-cutlass-dsl"})
 out["carried"] = sorted(p.name for p in got)
 out["unmet"] = report["host_stack_unmet"]
+out["other_flavors"] = report["other_cuda_flavors"]
+out["kept_in_cache"] = sorted(p.name.split("-")[0] for p in (tmp / "a").glob("*.whl"))
+cu12 = bundle.resolve_dependencies(["nvidia-cutlass-dsl[cu13]==4.8.0"], tmp / "c",
+                                   host=host, carry={"nvidia-cutlass-dsl"},
+                                   host_cuda=12)
+out["for_a_cu12_host"] = sorted(p.name.split("-")[0] for p in cu12)
 out["asked"] = list(asked)
 asked.clear()
 out["without_carry"] = [p.name for p in bundle.resolve_dependencies(
@@ -339,6 +347,15 @@ def test_an_extra_requirement_is_carried_though_its_name_looks_like_cuda(tmp_pat
         "nvidia_cutlass_dsl",
         "nvidia_cutlass_dsl_libs_base",
         "nvidia_cutlass_dsl_libs_cu13",
+    ]
+    # its unconditional cu12 libraries: not for a CUDA 13 host (kept in the
+    # download cache), carried for a CUDA 12 one
+    assert got["other_flavors"] == ["nvidia-cutlass-dsl-libs-cu12"]
+    assert "nvidia_cutlass_dsl_libs_cu12" in got["kept_in_cache"]
+    assert got["for_a_cu12_host"] == [
+        "nvidia_cutlass_dsl",
+        "nvidia_cutlass_dsl_libs_base",
+        "nvidia_cutlass_dsl_libs_cu12",
     ]
     # a CUDA library it names is still the host's, and reported if unmet
     assert "nvidia-cuda-runtime" not in got["asked"]
