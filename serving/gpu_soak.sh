@@ -25,8 +25,9 @@
 # 24 blocks, just above one 4,096-token request) and SOAK_KV_MTP (2.5e7).
 # The runs share the GPU: correctness checks only, no timing is judged.
 #
-# A fresh host compiles each candidate for minutes (270 s for the n-gram
-# one beside other work), too long for five minutes of load in one call.
+# A fresh host compiles each candidate for minutes (270-360 s beside other
+# work; 62-66 s from a warm cache), too long for five minutes of load in
+# one call.
 # The compile caches live in $SOAK_WORK (default /tmp/soak-work), one per
 # drafter (cache-ngram, cache-mtp), so a short first call warms them for
 # the next ones on the same host:

@@ -36,7 +36,8 @@ In order (the servers through ``serving.servers``, as ``serve_check``):
    (accepted draft tokens <= draft tokens; preemptions, which
    ``--expect-preemption`` requires);
 5. replays every greedy request that completed (stop strings and
-   structured output included) on the reference and compares, margin-aware
+   structured output included; each distinct request once, its answer
+   compared with every copy) on the reference and compares, margin-aware
    as ``serve_check`` does (teacher-forced by the reference, with a tie
    margin of twice the noise measured on the reference's own answers); a
    structured output request is judged at its first difference only, from
