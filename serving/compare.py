@@ -134,7 +134,18 @@ async def rescore(url, model, rows, ref_res, cand_res, margin, deadline) -> dict
 
     todo = [r for r in rows if r["status"] == "differs" and scorable(r, cand_res)]
     same = [r for r in rows if r["status"] == "match" and scorable(r, ref_res)]
-    noisy = [r for r in todo if scorable(r, ref_res)] + same[:NOISE_SAMPLE]
+    # each reference answer once: rows of a request sent many times share it
+    # (serving.soak replays each distinct request once)
+    seen: set[int] = set()
+
+    def new_answer(r) -> bool:
+        key = id(ref_res[r["idx_pos"]])
+        fresh = key not in seen
+        seen.add(key)
+        return fresh
+
+    noisy = [r for r in todo if scorable(r, ref_res) and new_answer(r)]
+    noisy += [r for r in same if new_answer(r)][:NOISE_SAMPLE]
 
     async def forced(session, row, tokens) -> tuple[list, str | None]:
         prompt = list(ref_res[row["idx_pos"]]["prompt_token_ids"])

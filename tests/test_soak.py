@@ -77,6 +77,9 @@ def test_a_request_sent_many_times_is_replayed_once(tmp_path):
     # the stop and regex ones (i % 10 == 3, 7) 4 prompts each
     assert r["compared"] == 64 and r["comparison"]["match"] == 64
     assert r["replayed_distinct"] == 16
+    # the noise is measured on each distinct reference answer once (the
+    # structured-output ones are judged apart: 8 plain and 4 stop answers)
+    assert r["tie_margin"]["measured_on"] == 12
 
 
 def test_a_candidate_that_answers_malformed_requests_with_5xx_fails(tmp_path):
