@@ -224,6 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     import traceback
 
     results = []
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"reference-{a.dtype}.json"
     with tempfile.TemporaryDirectory(prefix="hsfork-ref-") as tmp:
         for kind in a.kinds.split(","):
             try:
@@ -239,13 +242,12 @@ def main(argv: list[str] | None = None) -> None:
                     "traceback": traceback.format_exc()[-4000:],
                 }
             results.append(_finite(r))
+            # after each kind: a process killed at its call's limit keeps
+            # the kinds it finished
+            path.write_text(json.dumps(results, indent=1) + "\n")
             print(
                 json.dumps({k: r.get(k) for k in ("kind", "ok", "error")}), flush=True
             )
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"reference-{a.dtype}.json"
-    path.write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps({"json": str(path)}))
 
 
