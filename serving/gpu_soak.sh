@@ -19,10 +19,17 @@
 # small enough that 64 running sequences preempt (the soaks require
 # preemptions > 0), CUDA graphs, Triton attention. The pool is in bytes and
 # a token's cost depends on the drafter: with n-gram k=64 in align mode the
-# Mamba page holds more, the attention block grows to 208 tokens, and 6e7
-# bytes held 8,906 tokens (no preemption in 5 minutes); with MTP k=3 the
-# block is 80 tokens and 6e7 held 26,300. So SOAK_KV_NGRAM (3.5e7: about
-# 24 blocks, just above one 4,096-token request) and SOAK_KV_MTP (2.5e7).
+# Mamba page holds more and the attention block grows to 208 tokens; with
+# MTP k=3 the block is 80 tokens. A pool too small does not preempt either:
+# the scheduler then admits only as many requests as fit, and those few
+# never outgrow it. On an H200 the n-gram candidate with 3.5e7 bytes (25
+# blocks) ran one request at a time, each holding 63 % of the pool (a block
+# per KV cache group), and neither it nor 6e7 (43 blocks, on an H100)
+# preempted in 5 minutes; 2.5e7 is below one 4,096-token request and does
+# not start.
+# MTP with 2.5e7 (136 blocks) ran 20-23 requests and preempted 1,521 times.
+# So SOAK_KV_NGRAM (2e8: about 140 blocks, 8-9 such requests, whose growth
+# by a block per group outruns the pool) and SOAK_KV_MTP (2.5e7).
 # The runs share the GPU: correctness checks only, no timing is judged.
 #
 # A fresh host compiles each candidate for minutes (270-360 s beside other
@@ -44,7 +51,7 @@
 # when every run passed.
 #
 # Environment: SOAK_CLIENTS (256), SOAK_DURATION (300), SOAK_FAULT_REQUESTS
-# (3000), SOAK_KV_NGRAM (3.5e7), SOAK_KV_MTP (2.5e7), SOAK_MAX_SEQS (64),
+# (3000), SOAK_KV_NGRAM (2e8), SOAK_KV_MTP (2.5e7), SOAK_MAX_SEQS (64),
 # SOAK_DEADLINE (540: the
 # load stops 120 s before it, then the checks),
 # SOAK_RUNS ("soak-ngram soak-mtp fault-mtp"), SOAK_STAGGER (1: each run
@@ -60,7 +67,7 @@ WORK=${SOAK_WORK:-/tmp/soak-work}
 CLIENTS=${SOAK_CLIENTS:-256}
 DURATION=${SOAK_DURATION:-300}
 FAULT_REQUESTS=${SOAK_FAULT_REQUESTS:-3000}
-KV_NGRAM=${SOAK_KV_NGRAM:-3.5e7}
+KV_NGRAM=${SOAK_KV_NGRAM:-2e8}
 KV_MTP=${SOAK_KV_MTP:-2.5e7}
 SEQS=${SOAK_MAX_SEQS:-64}
 DEADLINE=${SOAK_DEADLINE:-540}
@@ -115,6 +122,9 @@ for run in $RUNS; do
     done
   fi
   started+=("$run")
+  # a run's folder from an earlier call (the compile caches stay in $WORK)
+  # would otherwise stand in for this run's results if it fails to start
+  rm -rf "${WORK:?}/$run" "$WORK/$run.log"
   # SOAK_DEADLINE counts from this script's start, for every run, a later
   # one included; a hang guard 20 s past it, so that this script always
   # gets to pack what each run left before the GPU call's own limit

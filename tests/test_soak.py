@@ -276,6 +276,11 @@ def test_gpu_soak_script_ends_by_its_deadline_when_a_server_never_starts(tmp_pat
     a GPU call's own limit never cuts it off. The hang guard below only
     catches a script that ignores its deadline."""
     out = tmp_path / "out"
+    # a result an earlier call left in the work folder (it keeps the compile
+    # caches between calls) must not stand in for this run's
+    stale = tmp_path / "work" / "soak-ngram"
+    stale.mkdir(parents=True)
+    (stale / "soak.md").write_text("# Soak: PASS (an earlier call)\n")
     extra = (
         f"--requests 20 --kv-bytes '' --port {free_port()} --vllm-cmd '{FAKE}' "
         "--server-args 'cand=--fake-startup-s 100000'"
@@ -287,6 +292,7 @@ def test_gpu_soak_script_ends_by_its_deadline_when_a_server_never_starts(tmp_pat
     assert proc.returncode == 1
     summary = (out / "SOAK.md").read_text()
     assert "not ready: cand" in summary
+    assert "an earlier call" not in summary
     # the fault run waited for the soak's candidate, then had no time left
     assert "fault-mtp: no time left, not started" in proc.stdout
     assert (out / "soak-ngram.tgz").exists()
