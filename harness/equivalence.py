@@ -757,16 +757,22 @@ def run_cells(
     for (model, dtype, kv), items in pending.items():
         seqs, owners = [], []
         for rkey, (_ref_pos, ref_tokens, waves) in refs.items():
-            # a grammar-constrained reference is judged by its own run, not
-            # teacher-forced (prompt logprobs do not see the grammar's mask):
-            # it takes no part in the noise and the drift floor
-            if (
-                rkey[:2] == (model, dtype)
-                and rkey[5] == kv
-                and not constrained(rkey[7])
-            ):
-                prompts = flat_prompts(waves, rkey[7])
-                seqs += list(zip(prompts, ref_tokens, strict=True))
+            if rkey[:2] != (model, dtype) or rkey[5] != kv:
+                continue
+            prompts = flat_prompts(waves, rkey[7])
+            seqs += list(zip(prompts, ref_tokens, strict=True))
+            if constrained(rkey[7]):
+                # a grammar-constrained reference judges its cells by its own
+                # run, not teacher-forced (prompt logprobs do not see the
+                # grammar's mask), and takes no part in the drift floor. Its
+                # noise still counts for its own cells, at the positions
+                # where the run and the prefill rank the same two tokens
+                # first (a mask does not change the gap between two tokens
+                # it allows): without it a group of constrained cells alone
+                # would judge them by the bare TIE_MARGIN, below the bf16
+                # noise of the fixtures' logprobs.
+                owners += [("ref_constrained", rkey, i) for i in range(len(prompts))]
+            else:
                 owners += [("ref", rkey, i) for i in range(len(prompts))]
                 if rkey in floors:
                     seqs += list(zip(prompts, floors[rkey][1], strict=True))
@@ -782,11 +788,17 @@ def run_cells(
             for row, *_ in items:
                 _error_row(row, e)
             continue
-        worst = 0.0
+        worst = worst_constrained = 0.0
         for (kind, key, i), pos in zip(owners, forced, strict=True):
             if kind == "ref":
                 worst = max(worst, noise(refs[key][0][i], pos))
+            elif kind == "ref_constrained":
+                n = noise(refs[key][0][i], pos)
+                worst_constrained = max(worst_constrained, n)
         margin = max(TIE_MARGIN[dtype], 2 * worst)
+        # constrained cells: the plain references' noise and their own
+        worst_c = max(worst, worst_constrained)
+        margin_c = max(TIE_MARGIN[dtype], 2 * worst_c)
         summaries = [CellSummary() for _ in items]
         floor = oracle.Floor()
         drifts = [oracle.CellDrift() for _ in items]
@@ -805,7 +817,7 @@ def run_cells(
                 rkey = items[key][3]
                 if constrained(rkey[7]):
                     # the reference run under the same grammar, token by token
-                    v = verify_run(refs[rkey][0][i], refs[rkey][1][i], cand, margin)
+                    v = verify_run(refs[rkey][0][i], refs[rkey][1][i], cand, margin_c)
                     summaries[key].add_verification(i, v)
                     continue
                 drifts[key].add(i, cand_lps[id(row)][i], forced_lps, cand)
@@ -815,7 +827,8 @@ def run_cells(
                     ref_toks = refs[items[key][3]][1][i]
                     v = verify(pos, cand, margin, ref_tokens=ref_toks)
                 summaries[key].add_verification(i, v)
-        for (row, *_), s, d in zip(items, summaries, drifts, strict=True):
+        for (row, *_, rkey), s, d in zip(items, summaries, drifts, strict=True):
+            c = constrained(rkey[7])
             row.update(
                 prompts=s.prompts,
                 tokens=s.tokens,
@@ -825,8 +838,8 @@ def run_cells(
                 max_margin=s.max_margin,
                 divergence_margins=sorted(round(m, 4) for m in s.margins)[-64:],
                 status=s.status,
-                tie_margin=round(margin, 4),
-                noise=round(worst, 4),
+                tie_margin=round(margin_c if c else margin, 4),
+                noise=round(worst_c if c else worst, 4),
             )
             row.update(d.judge(floor, dtype))
             if row["drift_violations"] and oracle.enforced():

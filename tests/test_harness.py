@@ -1090,6 +1090,43 @@ def test_regex_cells_are_judged_by_their_own_reference_run(tmp_path, monkeypatch
     assert rows[2]["drift_floor"] < 1.0
 
 
+def test_constrained_cells_alone_are_judged_with_their_references_noise(
+    tmp_path, monkeypatch
+):
+    """A group of regex cells only (as the fuzzer draws them): the tie margin
+    comes from the noise of their own reference, measured where its run and
+    the unmasked prefill rank the same two tokens first, not the bare
+    TIE_MARGIN. A flip by one bf16 step (0.0625 at logprobs near -10) that
+    the measured noise covers is a tie."""
+    import harness.equivalence as eq
+
+    def fake_generate(cell, model_dir, waves, logprobs, batches=None):
+        toks = [100, 102, 102] if cell.drafter == "mtp" else [100, 101, 102]
+        # the run's gap between its token t and t + 1: 0.0625
+        return [
+            fake_output(list(toks), logprobs, -0.1625) for w in waves for _ in w
+        ], {}
+
+    def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto"):
+        # the prefill ranks the same two tokens first, 0.2 apart
+        return [
+            [Position.top({t: -0.1, t + 1: -0.3}, candidate=t) for t in c]
+            for _, c in seqs
+        ]
+
+    fake_engines(monkeypatch, fake_generate, fake_forced)
+    cells = [
+        eq.Cell("qwen3_5", "ngram", 8, 2, request="regex", max_tokens=3),
+        eq.Cell("qwen3_5", "mtp", 3, 2, request="regex", max_tokens=3),
+    ]
+    rows = eq.run_cells(cells, tmp_path, n_prompts=2, seed=0)
+    # noise |0.0625 - 0.2|, the tie margin twice that
+    assert rows[1]["noise"] == pytest.approx(0.1375)
+    assert rows[1]["tie_margin"] == pytest.approx(0.275)
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert rows[1]["ties"] == 2 and rows[1]["divergences"] == 0
+
+
 def test_the_regex_admits_exactly_the_low_half_of_the_fixture_vocabulary():
     """The "regex" request features, compiled by xgrammar (vLLM's default
     structured-output backend) over the fixtures' word-level tokenizer:
