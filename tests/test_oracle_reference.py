@@ -199,3 +199,38 @@ def test_full_fp32_disables_tf32_and_restores():
         torch.set_float32_matmul_precision(old)
         torch.backends.cuda.matmul.allow_tf32 = False
     assert set(reference.kernel_packages()) == {"fla", "mamba_ssm", "causal_conv1d"}
+
+
+def test_main_writes_each_kind_as_it_finishes_and_skips_what_vllm_cannot_load(
+    monkeypatch, tmp_path
+):
+    """``main`` rewrites its JSON after each kind (a process killed at its
+    call's limit keeps the kinds it finished), records a kind's error, and
+    skips a fixture vLLM cannot load (OLMo-hybrid) instead of failing it."""
+    import json
+
+    out = tmp_path / "out"
+    seen = []
+
+    def fake_compare(kind, workdir, n, dtype, seed, max_tokens):
+        if seen:  # the kinds before this one are on disk already
+            done = json.loads((out / "reference-bfloat16.json").read_text())
+            assert [r["kind"] for r in done if "skipped" not in r] == seen
+        seen.append(kind)
+        if kind == "nemotron_h":
+            raise RuntimeError("boom")
+        ok = {"ok": True}
+        return {"kind": kind, "generated": ok, "teacher_forced": ok}
+
+    monkeypatch.setattr(reference, "compare_kind", fake_compare)
+    reference.main(
+        ["--kinds", "qwen3_5,olmo_hybrid,nemotron_h,mamba2", "--out", str(out)]
+    )
+    rows = json.loads((out / "reference-bfloat16.json").read_text())
+    assert [(r["kind"], r["ok"]) for r in rows] == [
+        ("qwen3_5", True), ("olmo_hybrid", None), ("nemotron_h", False),
+        ("mamba2", True),
+    ]  # fmt: skip
+    assert rows[1]["skipped"] == "vLLM cannot load it"
+    assert "boom" in rows[2]["error"]
+    assert seen == ["qwen3_5", "nemotron_h", "mamba2"]
