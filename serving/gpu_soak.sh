@@ -27,7 +27,7 @@
 # per KV cache group), and neither it nor 6e7 (43 blocks, on an H100)
 # preempted in 5 minutes; 2.5e7 is below one 4,096-token request and does
 # not start.
-# MTP with 2.5e7 (136 blocks) ran 20-23 requests and preempted 1,521 times.
+# MTP with 2.5e7 (136 blocks) ran 18-24 requests and preempted 1,521 times.
 # So SOAK_KV_NGRAM (2e8: about 140 blocks, 8-9 such requests, whose growth
 # by a block per group outruns the pool) and SOAK_KV_MTP (2.5e7).
 # The runs share the GPU: correctness checks only, no timing is judged.
