@@ -44,6 +44,12 @@
 #   SOAK_STAGGER=0 SOAK_RUNS="soak-ngram soak-mtp" bash serving/gpu_soak.sh
 #   SOAK_RUNS=fault-mtp bash serving/gpu_soak.sh
 #
+# A run named RUN@BYTES is RUN with a pool of BYTES (its results in
+# RUN-BYTES, its servers on ports of their own), so that one call can try
+# several pool sizes side by side:
+#
+#   SOAK_STAGGER=0 SOAK_RUNS="soak-ngram@1.2e8 soak-ngram@2.5e8" bash serving/gpu_soak.sh
+#
 # Every run ends, its servers stopped, by SOAK_DEADLINE seconds after this
 # script started (+20 s hang guard): give the GPU call at least 60 s more.
 # Results in $OUT: one archive per run (RUN.tgz: soak.json / .md / .png,
@@ -56,7 +62,8 @@
 # load stops 120 s before it, then the checks),
 # SOAK_RUNS ("soak-ngram soak-mtp fault-mtp"), SOAK_STAGGER (1: each run
 # starts once the candidates before it are up; 0 once the caches are warm),
-# SOAK_ARGS, PYTHON (python3),
+# SOAK_ARGS, SOAK_PORT_BASE (9000: the first port of RUN@BYTES runs, 20 a
+# run), PYTHON (python3),
 # SOAK_BUNDLE_ENV
 # (/tmp/hybridspec/env.sh; "none" to use this Python's vLLM).
 set -u
@@ -103,9 +110,18 @@ declare -A ARGS=(
 # SOAK_ARGS: more soak arguments for every run (the last of an option wins;
 # the CPU dry run passes a fake server and a request count)
 eval "EXTRA=(${SOAK_ARGS:-})"
+# RUN@BYTES -> RUN-BYTES, the folder and summary name of a run
+run_name() { if [[ $1 == *@* ]]; then echo "${1%@*}-${1#*@}"; else echo "$1"; fi; }
 pids=()
 started=()
-for run in $RUNS; do
+i=0
+for spec in $RUNS; do
+  kind=${spec%@*}
+  run=$(run_name "$spec")
+  own=()
+  # after the kind's arguments: the last of an option wins
+  [[ $spec == *@* ]] && own=(--kv-bytes "${spec#*@}" --port $((${SOAK_PORT_BASE:-9000} + 20 * i)))
+  i=$((i + 1))
   if ((${#started[@]})) && [[ ${SOAK_STAGGER:-1} != 0 ]]; then
     # each run starts once the candidates of the runs before it are up:
     # servers that start together compile the same Triton kernels at once
@@ -131,9 +147,9 @@ for run in $RUNS; do
   left=$((DEADLINE - (SECONDS - T0)))
   ((left > 60)) || { echo "[gpu_soak] $run: no time left, not started"; continue; }
   # shellcheck disable=SC2086
-  timeout -k 10 $((left + 20)) "$PY" -m serving soak "${common[@]}" ${ARGS[$run]} \
-    --deadline "$left" \
-    --cache-root "$WORK/cache-${run#*-}" --out "$WORK/$run" "${EXTRA[@]}" \
+  timeout -k 10 $((left + 20)) "$PY" -m serving soak "${common[@]}" ${ARGS[$kind]} \
+    "${own[@]}" --deadline "$left" \
+    --cache-root "$WORK/cache-${kind#*-}" --out "$WORK/$run" "${EXTRA[@]}" \
     > "$WORK/$run.log" 2>&1 &
   pids+=($!)
   sleep 3
@@ -141,7 +157,8 @@ done
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
 : > "$OUT/SOAK.md"
-for run in $RUNS; do
+for spec in $RUNS; do
+  run=$(run_name "$spec")
   { echo "## $run"; echo
     cat "$WORK/$run/soak.md" 2>/dev/null || tail -20 "$WORK/$run.log"
     echo; } >> "$OUT/SOAK.md"

@@ -233,9 +233,8 @@ def _gpu_soak(tmp_path, what: str, soak_args: str, **env: str):
             OUT=str(tmp_path / "out"),
             SOAK_WORK=str(tmp_path / "work"),
             SOAK_BUNDLE_ENV="none",
-            SOAK_RUNS="soak-ngram fault-mtp",
             SOAK_ARGS=soak_args,
-            **env,
+            **{"SOAK_RUNS": "soak-ngram fault-mtp", **env},
         ),  # fmt: skip
     )
 
@@ -267,6 +266,40 @@ def test_gpu_soak_script_dry_run(tmp_path):
     assert {p.name for p in out.iterdir()} == {
         "SOAK.md", "soak-ngram.tgz", "fault-mtp.tgz",
     }  # fmt: skip
+
+
+def test_gpu_soak_script_runs_pool_sizes_side_by_side(tmp_path):
+    """RUN@BYTES: the same soak with two pool sizes at once, each on its own
+    ports, with its own folder, archive and summary section, and its
+    servers given that pool."""
+    import json
+    import tarfile
+
+    out = tmp_path / "out"
+    extra = (
+        "--duration 0 --requests 12 --pool 6 --max-tokens 20 "
+        "--sample-s 100000 --replay 4 "
+        f"--vllm-cmd '{FAKE}' "
+        "--server-args 'cand=--fake-engine-child --fake-preempt-every 5'"
+    )
+    proc = _gpu_soak(
+        tmp_path, "two pool sizes", extra,
+        SOAK_RUNS="soak-ngram@1e8 soak-ngram@2e8", SOAK_CLIENTS="2",
+        SOAK_DEADLINE="100000", SOAK_STAGGER="0",
+        SOAK_PORT_BASE=str(free_port()),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    summary = (out / "SOAK.md").read_text()
+    assert "## soak-ngram-1e8" in summary and "## soak-ngram-2e8" in summary
+    assert summary.count("# Soak: PASS") == 2
+    ports = set()
+    for size in ("1e8", "2e8"):
+        with tarfile.open(out / f"soak-ngram-{size}.tgz") as tar:
+            f = tar.extractfile(f"soak-ngram-{size}/soak.json")
+            cfg = json.load(f)["config"]
+        assert str(cfg["kv_bytes"]) == size
+        ports.add(cfg["port"])
+    assert len(ports) == 2
 
 
 def test_gpu_soak_script_ends_by_its_deadline_when_a_server_never_starts(tmp_path):
