@@ -158,6 +158,16 @@ CASES: list[Case] = [
         "cannot shift a DS conv state by the accepted draft tokens",
         env={"VLLM_SSM_CONV_STATE_LAYOUT": "DS"},
     ),
+    Case(
+        "mamba1-spec",
+        LINES,
+        "fork 0028 (v0.26.0) / 0021 (v0.33.0)",
+        "jamba",
+        {"speculative_config": NGRAM},
+        r"without a speculative config",
+        "any speculative config for a model with Mamba1 layers (here Jamba "
+        "with n-gram): MambaMixer's decode step has no speculative path",
+    ),
     # -- vLLM's own refusals that hybrid users meet ------------------------
     Case(
         "async-ngram-v1",
