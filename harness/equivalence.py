@@ -1189,10 +1189,11 @@ def slice_cells(name: str) -> list[Cell]:
 
 # Whether each of the other hybrid families (harness.models.FAMILY_KINDS) has
 # a speculative decoding path in vLLM's source, per line; a string says why
-# not. Neither line refuses a speculative config for any of them at config
-# time, so an unsupported family's
-# cells are expected to diverge or fail: they record that it should be
-# refused (docs/harness.md, "Hybrid families").
+# not. Upstream refuses none of them at config time; the fork refuses those
+# without a path (Mamba1: v0.26.0 patch 0028, v0.33.0 patch 0021; LFM2 on
+# v0.26.0: patch 0029), so an unsupported family's cells are expected to be
+# refused on the fork and to diverge or fail on upstream (docs/harness.md,
+# "Hybrid families").
 _MAMBA1 = (
     "Mamba1 mixer: decode calls selective_state_update without "
     "num_accepted_tokens or spec state indices (v0.26.0 "

@@ -168,6 +168,17 @@ CASES: list[Case] = [
         "any speculative config for a model with Mamba1 layers (here Jamba "
         "with n-gram): MambaMixer's decode step has no speculative path",
     ),
+    Case(
+        "lfm2-spec",
+        ("v0.26.0",),
+        "fork 0029",
+        "lfm2",
+        {"speculative_config": NGRAM},
+        r"without a speculative config",
+        "any speculative config for LFM2 (and LFM2-MoE, LFM2-VL, Plamo2): "
+        "their ShortConv (Plamo2: Mamba) layers have no speculative path in "
+        "v0.26.0",
+    ),
     # -- vLLM's own refusals that hybrid users meet ------------------------
     Case(
         "async-ngram-v1",
