@@ -135,17 +135,24 @@ SAMPLED_PARTS = {
     "n": ("nemotron_h",),
     "fa": ("fastapply",),
     "more": ("qwen3_next", "granitemoehybrid"),
+    # the other hybrid families with a speculative path (harness.equivalence
+    # FAMILY_SPEC; Jamba and Mamba are refused, OLMo-hybrid does not load):
+    # fewer cells each
+    "fam": ("falcon_h1", "zamba2", "mamba2", "lfm2", "lfm2_moe", "qwen3_5_moe"),
 }
 
 
 def cells(part: str = "all") -> list[dict]:
-    """Sampled cells (slice ``sampled-<part>``: q, n, fa, more, or all) for
-    every family of the matrix that speculates (Kimi-Linear is left out:
-    its KDA spec path has not run on a GPU on either line): n-gram at T=1
+    """Sampled cells (slice ``sampled-<part>``: q, n, fa, more, fam, or all)
+    for every family that speculates (Kimi-Linear is left out: its KDA spec
+    path has not run on a GPU on either line): n-gram at T=1
     and with top-p/top-k, scripted drafts (mixed draft counts; synthetic
     acceptance), MTP with standard, probabilistic-draft,
     block, synthetic and FLy acceptance (V1 and MRV2; FLy exists in v0.33.0
     only, v0.26.0 rejects it at config time and records ``rejected``).
+    The other hybrid families (part ``fam``) get n-gram at T=1 and with
+    top-p/top-k, and MTP (standard and probabilistic-draft acceptance)
+    where the fixture has a head.
     Returns ``harness.equivalence.Cell`` keyword arguments (this module
     does not import the matrix)."""
     from .models import FIXTURES
@@ -172,6 +179,14 @@ def cells(part: str = "all") -> list[dict]:
                 **kw,
             }
 
+        if part == "fam":
+            out += [c("ngram", 5, sampling="t1"), c("ngram", 5)]
+            if mtp:
+                out += [
+                    c("mtp", 3, async_sched=True),
+                    c("mtp", 3, "mrv2", sampling=f"{tp}:probabilistic"),
+                ]
+            continue
         out += [
             c("ngram", 5, sampling="t1"),
             c("ngram", 5),
