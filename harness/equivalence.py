@@ -60,7 +60,8 @@ PREEMPT_TOKENS = 288
 @dataclass(frozen=True)
 class Cell:
     model: str  # fixture kind (harness.models.KINDS) or "fastapply"
-    # ngram | ngram_gpu | mtp | scripted:<schedule> | draft_model[:dense] | eagle3
+    # ngram | ngram_gpu | mtp | scripted:<schedule> | draft_model[:dense] |
+    # eagle | eagle3
     drafter: str
     k: int
     batch: int  # requests submitted together (max_num_seqs unless extra says)
@@ -287,7 +288,8 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
 
 
 def drafter_dir(model_dir: str, drafter: str) -> str:
-    """Where the drafter of a draft_model(:dense) or eagle3 cell is written:
+    """Where the drafter of a draft_model(:dense), eagle or eagle3 cell is
+    written:
     beside a generated model, in the temp folder for the committed fast-apply
     fixture."""
     name = drafter.replace(":", "-")
@@ -300,10 +302,17 @@ def write_drafter(cell: Cell, model_dir: str, seed: int) -> None:
     """Write the drafter of a draft_model cell (the target's weights without
     MTP layers: vLLM loads a checkpoint with MTP layers as an MTP drafter,
     not as a draft model), of a draft_model:dense cell (an attention-only
-    draft model, harness.models.write_dense_draft) or of an eagle3 cell (a
-    random-weight EAGLE-3 head, harness.models.write_eagle3_head), once per
+    draft model, harness.models.write_dense_draft), of an eagle cell (a
+    random-weight EAGLE-1 head, harness.models.write_eagle_head) or of an
+    eagle3 cell (a random-weight EAGLE-3 head,
+    harness.models.write_eagle3_head), once per
     model folder."""
-    from .models import write_dense_draft, write_eagle3_head, write_model
+    from .models import (
+        write_dense_draft,
+        write_eagle3_head,
+        write_eagle_head,
+        write_model,
+    )
 
     out = Path(drafter_dir(model_dir, cell.drafter))
     if out.exists():
@@ -312,9 +321,10 @@ def write_drafter(cell: Cell, model_dir: str, seed: int) -> None:
         write_model(cell.model, out, seed=seed, mtp=False)
     elif cell.drafter == "draft_model:dense":
         write_dense_draft(model_dir, out, seed=seed)
-    elif cell.drafter == "eagle3":
+    elif cell.drafter in ("eagle", "eagle3"):
         # the fast-apply fixture's head is shared by runs: always seed 0
-        write_eagle3_head(model_dir, out, seed=0 if cell.model == FASTAPPLY else seed)
+        write = write_eagle3_head if cell.drafter == "eagle3" else write_eagle_head
+        write(model_dir, out, seed=0 if cell.model == FASTAPPLY else seed)
 
 
 def spec_config(cell: Cell) -> dict | None:
@@ -335,11 +345,12 @@ def spec_config(cell: Cell) -> dict | None:
         return config
     if cell.drafter == "mtp":
         return {"method": "mtp", "num_speculative_tokens": cell.k}
-    if cell.drafter in ("draft_model", "draft_model:dense", "eagle3"):
+    if cell.drafter in ("draft_model", "draft_model:dense", "eagle", "eagle3"):
         # draft_model: the fixture drafts for itself (a hybrid draft model
         # with recurrent state of its own); draft_model:dense: an
-        # attention-only draft model that repeats the last token; eagle3: an
-        # EAGLE-3 head reading the target's hidden states. engine_kwargs puts
+        # attention-only draft model that repeats the last token; eagle,
+        # eagle3: an EAGLE-1 / EAGLE-3 head reading the target's hidden
+        # states. engine_kwargs puts
         # in the folder (drafter_dir) that run_cells writes.
         return {
             "method": cell.drafter.split(":")[0],
@@ -942,6 +953,18 @@ def slice_cells(name: str) -> list[Cell]:
             Cell(FASTAPPLY, "eagle3", 3, 8, "v1", graphs=fp, async_sched=True),
             Cell(FASTAPPLY, "eagle3", 3, 8, "v1", graphs=fp, async_sched=True,
                  kv_cache_dtype="turboquant_k8v4"),
+        ]  # fmt: skip
+    if name == "eagle-probe":
+        # EAGLE-1 drafting on a GDN hybrid (the head reads the target's last
+        # hidden state): as eagle3-probe, without TurboQuant
+        fp = "full_and_piecewise"
+        return [
+            Cell(m, "eagle", 3, 8, r, cm, async_sched=True)
+            for r in ("v1", "mrv2")
+            for m in ("qwen3_5", FASTAPPLY)
+            for cm in ("none", "align")
+        ] + [
+            Cell(FASTAPPLY, "eagle", 3, 8, "v1", graphs=fp, async_sched=True),
         ]  # fmt: skip
     if name == "drafters-tq-probe":
         # TurboQuant KV cache with the drafters that read the target's

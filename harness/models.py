@@ -1208,6 +1208,71 @@ def write_eagle3_head(
     return out
 
 
+def eagle_config(target_text: dict) -> dict:
+    """An EAGLE (EAGLE-1) draft head for a Qwen3.5 target (text config
+    ``target_text``): one Llama decoder layer of the target's width after
+    ``fc`` (token embedding and the target's last hidden state
+    concatenated), the checkpoint layout vLLM's ``EagleLlamaForCausalLM``
+    loads (``method: "eagle"`` renames ``LlamaForCausalLM`` to it)."""
+    t = target_text
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": t["vocab_size"],
+        "hidden_size": t["hidden_size"],
+        "intermediate_size": t["intermediate_size"],
+        "num_hidden_layers": 1,
+        "num_attention_heads": t["num_attention_heads"],
+        "num_key_value_heads": t["num_key_value_heads"],
+        "head_dim": t["head_dim"],
+        "hidden_act": "silu",
+        "max_position_embeddings": t["max_position_embeddings"],
+        "rms_norm_eps": t["rms_norm_eps"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "eos_token_id": EOS_ID,
+        "dtype": "bfloat16",
+    }
+
+
+def write_eagle_head(
+    target: str | Path, out: str | Path, seed: int = 0, std: float = 0.02
+) -> Path:
+    """Write an EAGLE-1 head (``eagle_config``, weights normal(0, ``std``),
+    norms 1) for the Qwen3.5 fixture in ``target`` into ``out``. Its first
+    (only) layer has no input norm, as EAGLE's; the token embedding and the
+    LM head are the target's (vLLM shares them when the checkpoint has
+    none). Random weights rarely draft the target's token, as the EAGLE-3
+    head's (``write_eagle3_head``)."""
+    import torch
+    from safetensors.torch import save_file
+
+    text = json.loads((Path(target) / "config.json").read_text())["text_config"]
+    cfg = eagle_config(text)
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hd, nh = cfg["head_dim"], cfg["num_attention_heads"]
+    nkv = cfg["num_key_value_heads"]
+    g = torch.Generator().manual_seed(seed + 5)
+    shapes = {
+        "layers.0.self_attn.q_proj.weight": (nh * hd, h),
+        "layers.0.self_attn.k_proj.weight": (nkv * hd, h),
+        "layers.0.self_attn.v_proj.weight": (nkv * hd, h),
+        "layers.0.self_attn.o_proj.weight": (h, nh * hd),
+        "layers.0.mlp.gate_proj.weight": (inter, h),
+        "layers.0.mlp.up_proj.weight": (inter, h),
+        "layers.0.mlp.down_proj.weight": (h, inter),
+        "fc.weight": (h, 2 * h),
+    }
+    tensors = {k: torch.randn(v, generator=g) * std for k, v in shapes.items()}
+    tensors["layers.0.post_attention_layernorm.weight"] = torch.ones(h)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
 def dense_draft_config(vocab: int) -> dict:
     """An attention-only draft model (one Qwen3 decoder layer, hidden size =
     ``vocab``) for the ``draft_model`` method with a hybrid target of that

@@ -544,7 +544,10 @@ def test_draft_model_cells_draft_with_their_own_model():
     assert kw["speculative_config"]["model"] == "/m/qwen3_5-draft_model-dense"
 
 
-def test_eagle3_cells_write_and_use_a_head(tmp_path):
+@pytest.mark.parametrize(
+    ("drafter", "arch"), [("eagle3", "Qwen3ForCausalLM"), ("eagle", "LlamaForCausalLM")]
+)
+def test_eagle_cells_write_and_use_a_head(tmp_path, drafter, arch):
     pytest.importorskip("torch")
     from harness.equivalence import (
         FASTAPPLY_DIR,
@@ -556,20 +559,19 @@ def test_eagle3_cells_write_and_use_a_head(tmp_path):
     )
     from harness.models import write_model
 
-    cells = slice_cells("eagle3-probe")
+    cells = slice_cells(f"{drafter}-probe")
     assert {c.runner for c in cells} == {"v1", "mrv2"}
+    assert {c.drafter for c in cells} == {drafter}
     cell = cells[0]
     target = str(write_model(cell.model, tmp_path / "model-qwen3_5"))
     write_drafter(cell, target, seed=0)
-    head = drafter_dir(target, "eagle3")
-    assert json.loads(Path(head, "config.json").read_text())["architectures"] == [
-        "Qwen3ForCausalLM"
-    ]
+    head = drafter_dir(target, drafter)
+    assert json.loads(Path(head, "config.json").read_text())["architectures"] == [arch]
     kw = engine_kwargs(cell, target, spec_config(cell))
-    assert kw["speculative_config"]["method"] == "eagle3"
+    assert kw["speculative_config"]["method"] == drafter
     assert kw["speculative_config"]["model"] == head
     # the committed fixture's head goes to the temp folder, not beside it
-    assert not drafter_dir(str(FASTAPPLY_DIR), "eagle3").startswith(str(FASTAPPLY_DIR))
+    assert not drafter_dir(str(FASTAPPLY_DIR), drafter).startswith(str(FASTAPPLY_DIR))
 
 
 # --- vLLM lines (harness.compat) ----------------------------------------------

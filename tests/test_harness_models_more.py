@@ -29,10 +29,12 @@ from harness.models import (
     main,
     write_dense_draft,
     write_eagle3_head,
+    write_eagle_head,
     write_model,
 )
 
 EAGLE3 = "eagle3"  # a spec's arch: the EAGLE-3 head, built as vLLM resolves it
+EAGLE = "eagle"  # the EAGLE-1 head, likewise
 DENSE_DRAFT = "Qwen3ForCausalLM"  # a spec's arch: the draft of write_dense_draft
 
 REPO = Path(__file__).resolve().parent.parent
@@ -224,6 +226,7 @@ def _vllm_specs():
     # the EAGLE-3 head for Qwen3.5 (harness.models.write_eagle3_head) and the
     # attention-only draft model (harness.models.write_dense_draft)
     specs.append(("qwen3_5", EAGLE3, "bfloat16"))
+    specs.append(("qwen3_5", EAGLE, "bfloat16"))
     specs.append(("qwen3_5", DENSE_DRAFT, "bfloat16"))
     return specs
 
@@ -239,8 +242,9 @@ def vllm_results(tmp_path_factory):
         path = tmp_dir / kind
         if not path.exists():
             write_model(kind, path)
-        if arch == EAGLE3:
-            head = write_eagle3_head(path, tmp_dir / f"{kind}-eagle3")
+        if arch in (EAGLE3, EAGLE):
+            write = write_eagle3_head if arch == EAGLE3 else write_eagle_head
+            head = write(path, tmp_dir / f"{kind}-{arch}")
             specs.append([kind, f"{path}{os.pathsep}{head}", arch, dtype])
             continue
         if arch == DENSE_DRAFT:
@@ -375,7 +379,7 @@ def _check(path: str, arch: str, dtype: str, init) -> dict:
     from harness.compat import mtp_needs_spec_config
 
     spec = None
-    if arch == EAGLE3:
+    if arch in (EAGLE3, EAGLE):
         # "target<pathsep>head": the head is built under the target's config
         path, head = path.split(os.pathsep)
     mc = ModelConfig(
@@ -389,9 +393,9 @@ def _check(path: str, arch: str, dtype: str, init) -> dict:
             target_model_config=mc,
             target_parallel_config=ParallelConfig(),
         )
-    if arch == EAGLE3:
+    if arch in (EAGLE3, EAGLE):
         spec = SpeculativeConfig(
-            method="eagle3",
+            method=arch,
             model=head,
             num_speculative_tokens=3,
             target_model_config=mc,
