@@ -20,7 +20,9 @@
 #
 # GROUP (default 6): configurations per child process (one reference, one
 # teacher-forced verification each); JOBS (default 1): processes per
-# variant, seeds SEED, SEED+1, ...
+# variant, seeds SEED, SEED+1, ... The processes go round-robin over the
+# host's GPUs (harness/gpu_slots.sh): on a host of several, JOBS can grow
+# with its CPU cores.
 #
 # Needs the bundle installed at /tmp/hybridspec (hsfork/install_bundle.sh);
 # the upstream tree is the fork's site with the series reversed
@@ -57,6 +59,8 @@ flashinfer_for ""
 mkdir -p "$OUT/fuzz" "$OUT/logs"
 # shellcheck disable=SC1091
 source "$R/harness/pack_out.sh"
+# shellcheck disable=SC1091
+source "$R/harness/gpu_slots.sh"
 # a call killed at its limit still returns the run files written so far
 [ "${HS_PACK:-1}" = 1 ] && pack_start "$MODE" fuzz logs
 pids=()
@@ -65,7 +69,7 @@ for v in $VARIANTS; do
   if [[ $MODE == rerun ]]; then
     for g in "$GROUP_DIR"/*.json; do
       id=$(basename "$g" .json)
-      in_variant "$v" timeout -k 15 $((DEADLINE + 60)) \
+      on_gpu ${#pids[@]} in_variant "$v" timeout -k 15 $((DEADLINE + 60)) \
         python3 -m harness.fuzz run-group "$g" \
         --out "$OUT/fuzz/rerun-$name-$id.jsonl" --deadline "$DEADLINE" \
         > "$OUT/logs/rerun-$name-$id.log" 2>&1 &
@@ -78,7 +82,7 @@ for v in $VARIANTS; do
   # the same configurations
   for ((j = 0; j < ${JOBS:-1}; j++)); do
     s=$((SEED + j))
-    in_variant "$v" timeout -k 15 $((DEADLINE + 150)) \
+    on_gpu ${#pids[@]} in_variant "$v" timeout -k 15 $((DEADLINE + 150)) \
       python3 -m harness.fuzz run --out "$OUT/fuzz" --variant "$name" \
       --seed "$s" --deadline "$DEADLINE" --group "${GROUP:-6}" \
       > "$OUT/logs/fuzz-$name-s$s.log" 2>&1 &

@@ -7,6 +7,7 @@
 #
 # A slice written SLICE:S has its cells dealt into S processes (reports
 # SLICE-VARIANT-I-of-S.json; harness.full_matrix summarize merges them).
+# The processes go round-robin over the host's GPUs (harness/gpu_slots.sh).
 #
 # Needs the bundle installed at /tmp/hybridspec (hsfork/install_bundle.sh).
 # The upstream tree is the fork's site with the patch series reversed.
@@ -23,6 +24,8 @@ mkdir -p "$OUT/equivalence" "$OUT/logs"
 source "$R/harness/upstream_site.sh"
 # shellcheck disable=SC1091
 source "$R/harness/pack_out.sh"
+# shellcheck disable=SC1091
+source "$R/harness/gpu_slots.sh"
 prepare_variants "$VARIANTS" 0.1 || exit 1
 flashinfer_for "$SLICES"
 # a call killed at its limit still returns the reports written so far
@@ -38,7 +41,7 @@ for v in $VARIANTS; do
     for ((i = 1; i <= n; i++)); do
       run="$s-${v//+/-with-}" shard=()
       ((n > 1)) && run="$run-$i-of-$n" shard=(--shard "$i/$n")
-      in_variant "$v" timeout -k 15 $((DEADLINE + 170)) python3 -m harness.equivalence --slice "$s" \
+      on_gpu ${#pids[@]} in_variant "$v" timeout -k 15 $((DEADLINE + 170)) python3 -m harness.equivalence --slice "$s" \
         "${shard[@]}" --run "$run" --out "$OUT/equivalence" --deadline "$DEADLINE" \
         > "$OUT/logs/$run.log" 2>&1 &
       pids+=($!)
