@@ -943,29 +943,14 @@ def slice_cells(name: str) -> list[Cell]:
         # random Qwen3.5 and for the trained fast-apply model (mostly rejected
         # drafts), both runners, none and align mode with prefix hits, async
         # scheduling, CUDA graphs, and with a TurboQuant KV cache
-        fp = "full_and_piecewise"
-        return [
-            Cell(m, "eagle3", 3, 8, r, cm, async_sched=True)
-            for r in ("v1", "mrv2")
-            for m in ("qwen3_5", FASTAPPLY)
-            for cm in ("none", "align")
-        ] + [
-            Cell(FASTAPPLY, "eagle3", 3, 8, "v1", graphs=fp, async_sched=True),
-            Cell(FASTAPPLY, "eagle3", 3, 8, "v1", graphs=fp, async_sched=True,
-                 kv_cache_dtype="turboquant_k8v4"),
+        return _eagle_probe("eagle3") + [
+            Cell(FASTAPPLY, "eagle3", 3, 8, "v1", graphs="full_and_piecewise",
+                 async_sched=True, kv_cache_dtype="turboquant_k8v4"),
         ]  # fmt: skip
     if name == "eagle-probe":
         # EAGLE-1 drafting on a GDN hybrid (the head reads the target's last
         # hidden state): as eagle3-probe, without TurboQuant
-        fp = "full_and_piecewise"
-        return [
-            Cell(m, "eagle", 3, 8, r, cm, async_sched=True)
-            for r in ("v1", "mrv2")
-            for m in ("qwen3_5", FASTAPPLY)
-            for cm in ("none", "align")
-        ] + [
-            Cell(FASTAPPLY, "eagle", 3, 8, "v1", graphs=fp, async_sched=True),
-        ]  # fmt: skip
+        return _eagle_probe("eagle")
     if name == "drafters-tq-probe":
         # TurboQuant KV cache with the drafters that read the target's
         # hidden states or bring their own attention layers: EAGLE-3 on MRV2
@@ -1208,6 +1193,21 @@ def slice_cells(name: str) -> list[Cell]:
     if name == "families" or name.startswith("families-"):
         return family_cells(name.removeprefix("families").lstrip("-") or "all")
     raise ValueError(f"unknown slice {name}")
+
+
+def _eagle_probe(drafter: str) -> list[Cell]:
+    """An EAGLE head (``drafter``: eagle or eagle3) for the random Qwen3.5
+    and the fast-apply model, both runners, none and align mode, async
+    scheduling; and on V1 with CUDA graphs."""
+    return [
+        Cell(m, drafter, 3, 8, r, cm, async_sched=True)
+        for r in ("v1", "mrv2")
+        for m in ("qwen3_5", FASTAPPLY)
+        for cm in ("none", "align")
+    ] + [
+        Cell(FASTAPPLY, drafter, 3, 8, "v1", graphs="full_and_piecewise",
+             async_sched=True),
+    ]  # fmt: skip
 
 
 # Whether each of the other hybrid families (harness.models.FAMILY_KINDS) has

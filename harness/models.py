@@ -1130,14 +1130,21 @@ def eagle3_config(target_text: dict, aux_layers: list[int]) -> dict:
     checkpoint layout vLLM's ``Eagle3Qwen3ForCausalLM`` loads (``method:
     "eagle3"`` renames ``Qwen3ForCausalLM`` to it). It reads the target's
     hidden states after the layers ``aux_layers``."""
-    t = target_text
+    return _head_config(target_text, "Qwen3ForCausalLM", "qwen3") | {
+        "draft_vocab_size": target_text["vocab_size"],
+        "target_hidden_size": target_text["hidden_size"],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layers},
+    }
+
+
+def _head_config(t: dict, architecture: str, model_type: str) -> dict:
+    """One decoder layer of the width of the target (text config ``t``):
+    the config an EAGLE head's checkpoint carries."""
     return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": t["vocab_size"],
-        "draft_vocab_size": t["vocab_size"],
         "hidden_size": t["hidden_size"],
-        "target_hidden_size": t["hidden_size"],
         "intermediate_size": t["intermediate_size"],
         "num_hidden_layers": 1,
         "num_attention_heads": t["num_attention_heads"],
@@ -1149,9 +1156,25 @@ def eagle3_config(target_text: dict, aux_layers: list[int]) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "attention_bias": False,
         "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layers},
         "eos_token_id": EOS_ID,
         "dtype": "bfloat16",
+    }
+
+
+def _layer_shapes(prefix: str, cfg: dict, width: int) -> dict:
+    """Weight shapes of one attention + MLP decoder layer (``prefix``
+    before each name) whose attention projections read ``width`` inputs."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hd, nh = cfg["head_dim"], cfg["num_attention_heads"]
+    nkv = cfg["num_key_value_heads"]
+    return {
+        f"{prefix}.self_attn.q_proj.weight": (nh * hd, width),
+        f"{prefix}.self_attn.k_proj.weight": (nkv * hd, width),
+        f"{prefix}.self_attn.v_proj.weight": (nkv * hd, width),
+        f"{prefix}.self_attn.o_proj.weight": (h, nh * hd),
+        f"{prefix}.mlp.gate_proj.weight": (inter, h),
+        f"{prefix}.mlp.up_proj.weight": (inter, h),
+        f"{prefix}.mlp.down_proj.weight": (h, inter),
     }
 
 
@@ -1171,18 +1194,9 @@ def write_eagle3_head(
     text = json.loads((Path(target) / "config.json").read_text())["text_config"]
     n = text["num_hidden_layers"]
     cfg = eagle3_config(text, [0, n // 2, n - 1])
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    hd, nh = cfg["head_dim"], cfg["num_attention_heads"]
-    nkv = cfg["num_key_value_heads"]
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
     g = torch.Generator().manual_seed(seed + 3)
-    shapes = {
-        "midlayer.self_attn.q_proj.weight": (nh * hd, 2 * h),
-        "midlayer.self_attn.k_proj.weight": (nkv * hd, 2 * h),
-        "midlayer.self_attn.v_proj.weight": (nkv * hd, 2 * h),
-        "midlayer.self_attn.o_proj.weight": (h, nh * hd),
-        "midlayer.mlp.gate_proj.weight": (inter, h),
-        "midlayer.mlp.up_proj.weight": (inter, h),
-        "midlayer.mlp.down_proj.weight": (h, inter),
+    shapes = _layer_shapes("midlayer", cfg, 2 * h) | {
         "fc.weight": (h, 3 * h),
         "lm_head.weight": (cfg["draft_vocab_size"], h),
     }
@@ -1214,26 +1228,7 @@ def eagle_config(target_text: dict) -> dict:
     ``fc`` (token embedding and the target's last hidden state
     concatenated), the checkpoint layout vLLM's ``EagleLlamaForCausalLM``
     loads (``method: "eagle"`` renames ``LlamaForCausalLM`` to it)."""
-    t = target_text
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": t["vocab_size"],
-        "hidden_size": t["hidden_size"],
-        "intermediate_size": t["intermediate_size"],
-        "num_hidden_layers": 1,
-        "num_attention_heads": t["num_attention_heads"],
-        "num_key_value_heads": t["num_key_value_heads"],
-        "head_dim": t["head_dim"],
-        "hidden_act": "silu",
-        "max_position_embeddings": t["max_position_embeddings"],
-        "rms_norm_eps": t["rms_norm_eps"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "eos_token_id": EOS_ID,
-        "dtype": "bfloat16",
-    }
+    return _head_config(target_text, "LlamaForCausalLM", "llama")
 
 
 def write_eagle_head(
@@ -1250,20 +1245,9 @@ def write_eagle_head(
 
     text = json.loads((Path(target) / "config.json").read_text())["text_config"]
     cfg = eagle_config(text)
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    hd, nh = cfg["head_dim"], cfg["num_attention_heads"]
-    nkv = cfg["num_key_value_heads"]
+    h = cfg["hidden_size"]
     g = torch.Generator().manual_seed(seed + 5)
-    shapes = {
-        "layers.0.self_attn.q_proj.weight": (nh * hd, h),
-        "layers.0.self_attn.k_proj.weight": (nkv * hd, h),
-        "layers.0.self_attn.v_proj.weight": (nkv * hd, h),
-        "layers.0.self_attn.o_proj.weight": (h, nh * hd),
-        "layers.0.mlp.gate_proj.weight": (inter, h),
-        "layers.0.mlp.up_proj.weight": (inter, h),
-        "layers.0.mlp.down_proj.weight": (h, inter),
-        "fc.weight": (h, 2 * h),
-    }
+    shapes = _layer_shapes("layers.0", cfg, h) | {"fc.weight": (h, 2 * h)}
     tensors = {k: torch.randn(v, generator=g) * std for k, v in shapes.items()}
     tensors["layers.0.post_attention_layernorm.weight"] = torch.ones(h)
     out = Path(out)
@@ -1315,20 +1299,10 @@ def write_dense_draft(
     vocab = tcfg.get("text_config", tcfg)["vocab_size"]
     cfg = dense_draft_config(vocab)
     cfg["eos_token_id"] = tcfg.get("eos_token_id", EOS_ID)
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    hd, nh = cfg["head_dim"], cfg["num_attention_heads"]
-    nkv = cfg["num_key_value_heads"]
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
     g = torch.Generator().manual_seed(seed + 5)
     p = "model.layers.0."
-    shapes = {
-        p + "self_attn.q_proj.weight": (nh * hd, h),
-        p + "self_attn.k_proj.weight": (nkv * hd, h),
-        p + "self_attn.v_proj.weight": (nkv * hd, h),
-        p + "self_attn.o_proj.weight": (h, nh * hd),
-        p + "mlp.gate_proj.weight": (inter, h),
-        p + "mlp.up_proj.weight": (inter, h),
-        p + "mlp.down_proj.weight": (h, inter),
-    }
+    shapes = _layer_shapes("model.layers.0", cfg, h)
     tensors = {k: torch.randn(v, generator=g) * std for k, v in shapes.items()}
     for k in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
         # attention scores of a useful size; the output stays small (o_proj)
