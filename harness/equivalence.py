@@ -94,7 +94,8 @@ class Cell:
     # request features beyond greedy decoding (request_kwargs), the same for
     # the cell's reference: "plain"; "stop" (stop token ids that end answers
     # early, often inside an accepted run); "regex" (structured output);
-    # "n2" (two sampled completions per prompt, with a sampled preset)
+    # "n2" (two sampled completions per prompt, with a sampled preset);
+    # "plp" (prompt logprobs returned, judged against the reference's)
     request: str = "plain"
 
     def key(self) -> dict:
@@ -198,6 +199,9 @@ def request_kwargs(cell: Cell) -> dict:
         from vllm.sampling_params import StructuredOutputsParams
 
         return {"structured_outputs": StructuredOutputsParams(regex=REGEX)}
+    if cell.request == "plp":
+        # the prompt's logprobs, top-k at every position
+        return {"prompt_logprobs": oracle.TOPK}
     if cell.request == "n2":
         # two completions of each prompt: vLLM forks child requests that
         # share the prompt's blocks; vLLM samples them (n > 1 is refused
@@ -573,6 +577,33 @@ def teacher_forced(
     return result
 
 
+def prompt_lps(outs) -> list[tuple[list[int], list]]:
+    """Per request: its prompt tokens after the first, and the
+    ``{token: logprob}`` vLLM returned for each of them (``prompt_logprobs``;
+    the first token has none)."""
+    return [
+        (
+            list(o.prompt_token_ids[1:]),
+            [oracle.lp_dict(e) for e in (o.prompt_logprobs or [None])[1:]],
+        )
+        for o in outs
+    ]
+
+
+def judge_prompt_lps(cand, ref, floor_run, dtype: str) -> dict:
+    """The drift oracle on prompt logprobs: the candidate's against the
+    reference's, position by position, within the noise between the
+    reference and its floor run (the same prompts in another batch
+    composition). Report fields prefixed ``prompt_``."""
+    floor = oracle.Floor()
+    for (toks, r), (_, f) in zip(ref, floor_run, strict=True):
+        floor.add(r, f, toks)
+    drift = oracle.CellDrift()
+    for i, ((toks, c), (_, r)) in enumerate(zip(cand, ref, strict=True)):
+        drift.add(i, c, r, toks)
+    return {f"prompt_{k}": v for k, v in drift.judge(floor, dtype).items()}
+
+
 def reference_positions(outs) -> list[list[Position]]:
     refs = []
     for o in outs:
@@ -661,6 +692,10 @@ def run_cells(
     # the candidates' own logprobs
     floors: dict[tuple, tuple] = {}
     cand_lps: dict[int, list] = {}
+    # "plp" cells: rkey -> (prompt logprobs of the reference, of its floor
+    # run); id(row) -> the candidates'
+    ref_plps: dict[tuple, tuple] = {}
+    cand_plps: dict[int, list] = {}
     models: dict[str, str] = {}
     for n_done, cell in enumerate(cells):
         t0 = time.time()
@@ -736,6 +771,8 @@ def run_cells(
                     oracle.output_lps(fouts),
                     [list(o.outputs[0].token_ids) for o in fouts],
                 )
+                if cell.request == "plp":
+                    ref_plps[rkey] = (prompt_lps(outs), prompt_lps(fouts))
             _, ref_tokens, waves = refs[rkey]
             prompts = flat_prompts(waves, cell.request)
             log = None
@@ -744,6 +781,8 @@ def run_cells(
             outs, metrics = generate(cell, model_dir, waves, logprobs=oracle.TOPK)
             cands = [list(o.outputs[0].token_ids) for o in outs]
             cand_lps[id(row)] = oracle.output_lps(outs)
+            if cell.request == "plp":
+                cand_plps[id(row)] = prompt_lps(outs)
             row["accept"] = metrics or None
             if cell.preempt:
                 row["preemptions"] = metrics.get("vllm:num_preemptions")
@@ -855,6 +894,11 @@ def run_cells(
             row.update(d.judge(floor, dtype))
             if row["drift_violations"] and oracle.enforced():
                 row["status"] = "diverged"
+            if rkey in ref_plps and id(row) in cand_plps:
+                judged = judge_prompt_lps(cand_plps[id(row)], *ref_plps[rkey], dtype)
+                row.update(judged)
+                if judged["prompt_drift_violations"] and oracle.enforced():
+                    row["status"] = "diverged"
             if row.get("preempt") and row.get("preemptions") == 0:
                 # an invalid cell (not a refusal): it was to preempt
                 row.update(status="error", error="invalid cell: the engine "
@@ -1028,6 +1072,19 @@ def slice_cells(name: str) -> list[Cell]:
                 max_tokens=mt,
             ),
             Cell("qwen3_5", "scripted:all_accept", 4, 8, "v1", request="regex"),
+            # prompt logprobs returned beside speculation (the second wave's
+            # prompts end in answers written while speculating)
+            Cell(fa, "ngram", 64, 8, "v1", request="plp", max_tokens=mt),
+            Cell(fa, "mtp", 3, 8, "mrv2", request="plp", max_tokens=mt),
+            Cell(
+                "qwen3_5",
+                "scripted:all_accept",
+                4,
+                8,
+                "v1",
+                chunked=True,
+                request="plp",
+            ),  # fmt: skip
             # two sampled completions per prompt (child requests sharing the
             # prompt's blocks), judged as sampled cells
             Cell(

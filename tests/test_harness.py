@@ -1031,7 +1031,9 @@ def test_stop_cells_share_their_stop_ids_with_their_own_reference(
     }
     with pytest.raises(ValueError):
         eq.request_kwargs(eq.Cell("qwen3_5", "mtp", 3, 8, request="json"))
-    assert {c.request for c in eq.slice_cells("requests")} == {"stop", "regex", "n2"}
+    assert {c.request for c in eq.slice_cells("requests")} == {
+        "stop", "regex", "n2", "plp",
+    }  # fmt: skip
 
 
 def test_verify_run_judges_a_constrained_candidate_by_the_reference_run():
@@ -1127,6 +1129,50 @@ def test_constrained_cells_alone_are_judged_with_their_references_noise(
     assert rows[1]["tie_margin"] == pytest.approx(0.275)
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert rows[1]["ties"] == 2 and rows[1]["divergences"] == 0
+
+
+def test_prompt_logprobs_are_judged_against_the_reference(tmp_path, monkeypatch):
+    """A "plp" cell: the candidate's prompt logprobs against the reference's,
+    within the noise between the reference and its floor run (another batch
+    composition); a candidate one nat off at one prompt position diverges,
+    an exact one is ok."""
+    from types import SimpleNamespace
+
+    import harness.equivalence as eq
+
+    def out(prompt, noise, bug):
+        o = fake_output([10, 11, 12], True)
+        o.prompt_token_ids = list(prompt)
+        o.prompt_logprobs = [None] + [
+            {
+                t: SimpleNamespace(logprob=-1.0 + noise + (bug if i == 3 else 0.0)),
+                t + 1: SimpleNamespace(logprob=-3.0),
+            }
+            for i, t in enumerate(prompt[1:])
+        ]
+        return o
+
+    def fake_generate(cell, model_dir, waves, logprobs, batches=None):
+        bug = 1.0 if cell.drafter == "mtp" else 0.0
+        outs = []
+        for w, wave in enumerate(waves):
+            # the reference's second wave is its floor run: a little noise
+            noise = 0.01 if batches is not None and w == 1 else 0.0
+            outs += [out(p, noise, bug) for p in wave]
+        return outs, {}
+
+    fake_engines(monkeypatch, fake_generate)
+    cells = [
+        eq.Cell("qwen3_5", "ngram", 8, 2, request="plp", max_tokens=3),
+        eq.Cell("qwen3_5", "mtp", 3, 2, request="plp", max_tokens=3),
+    ]
+    rows = eq.run_cells(cells, tmp_path, n_prompts=2, seed=0)
+    assert rows[0]["prompt_drift_floor"] == pytest.approx(0.01)
+    assert rows[0]["prompt_drift_violations"] == 0 and rows[0]["status"] == "ok"
+    assert rows[1]["prompt_drift_violations"] == 2  # position 3 of each prompt
+    assert rows[1]["prompt_drift_max"] == pytest.approx(1.0)
+    assert rows[1]["status"] == "diverged"
+    assert eq.request_kwargs(cells[0]) == {"prompt_logprobs": eq.oracle.TOPK}
 
 
 def test_the_regex_admits_exactly_the_low_half_of_the_fixture_vocabulary():
