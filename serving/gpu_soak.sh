@@ -23,13 +23,13 @@
 # MTP k=3 the block is 80 tokens. A pool too small does not preempt either:
 # the scheduler then admits only as many requests as fit, and those few
 # never outgrow it. On an H200 the n-gram candidate with 3.5e7 bytes (25
-# blocks) ran one request at a time, each holding 63 % of the pool (a block
-# per KV cache group), and neither it nor 6e7 (43 blocks, on an H100)
-# preempted in 5 minutes; 2.5e7 is below one 4,096-token request and does
-# not start.
-# MTP with 2.5e7 (136 blocks) ran 18-24 requests and preempted 1,521 times.
-# So SOAK_KV_NGRAM (2e8: about 140 blocks, 8-9 such requests, whose growth
-# by a block per group outruns the pool) and SOAK_KV_MTP (2.5e7).
+# blocks) ran one request at a time, each holding 63 % of the pool, and
+# neither it nor 6e7 (43 blocks, on an H100) preempted in 5 minutes; 2.5e7
+# is below one 4,096-token request and does not start. MTP with 2.5e7 (136
+# blocks) ran 18-24 requests and preempted 1,521 times. So SOAK_KV_NGRAM
+# (2e8: about 140 blocks, room for several requests at once) and
+# SOAK_KV_MTP (2.5e7); a call can try several pools side by side
+# (RUN@BYTES, below).
 # The runs share the GPU: correctness checks only, no timing is judged.
 #
 # A fresh host compiles each candidate for minutes (270-360 s beside other
