@@ -19,7 +19,8 @@ under a tight budget is where divergences were found), prefix caching
 a few blocks above the least the engine starts with: preemption), CUDA
 graphs or eager, async scheduling, batch composition (number of prompts,
 their lengths and seed), output length, request features (plain, stop
-token ids, structured output: ``harness.equivalence.request_kwargs``) and,
+token ids, structured output, prompt logprobs:
+``harness.equivalence.request_kwargs``) and,
 in align mode, the number of waves (turns of a conversation). Configurations
 are drawn in groups that share one reference (model, prompts, output length,
 request features, waves), so that one reference and one teacher-forced
@@ -142,7 +143,7 @@ PROMPT_BANDS = ((4, 16), (8, 48), (24, 200), (100, 400))
 SLACKS = (0, 1, 2, 4, 8, 16, 32)
 GRAPHS = ("eager", "full_and_piecewise", "piecewise", "full_decode_only")
 # request features of a group (harness.equivalence.request_kwargs) -> weight
-REQUESTS = {"plain": 6, "stop": 2, "regex": 1}
+REQUESTS = {"plain": 6, "stop": 2, "regex": 1, "plp": 1}
 
 # error texts of refusals by design (vLLM's or the fork's), by line
 REFUSED_BY_DESIGN = (
@@ -193,7 +194,7 @@ class FuzzConfig:
     graphs: str = "eager"
     async_sched: bool = False
     # request features (harness.equivalence.request_kwargs): plain | stop |
-    # regex; turns: waves in align mode, each continuing the one before
+    # regex | plp; turns: waves in align mode, each continuing the one before
     request: str = "plain"
     turns: int = 2
 
@@ -282,7 +283,8 @@ def draw_shape(rng: random.Random) -> dict:
         "max_tokens": 128 if model == FASTAPPLY else rng.choice(MAX_TOKENS),
         "cache_mode": cache_mode,
         # production request features: stop token ids that end answers inside
-        # accepted runs, structured output whose grammar rejects drafts
+        # accepted runs, structured output whose grammar rejects drafts,
+        # prompt logprobs returned beside speculation
         "request": _pick(rng, REQUESTS),
         # conversations of more turns on blocks written while speculating
         "turns": rng.choice((2, 2, 3, 4)) if cache_mode == "align" else 2,
