@@ -1,8 +1,9 @@
 """``harness/gpu_slots.sh``: a GPU call's processes spread round-robin over
 the host's GPUs, and left alone on a host without any."""
 
-import subprocess
 from pathlib import Path
+
+from conftest import run_until_done
 
 REPO = Path(__file__).resolve().parents[1]
 SLOTS = REPO / "harness" / "gpu_slots.sh"
@@ -16,11 +17,11 @@ def _seen(env: dict, n: int = 5) -> list[str]:
         "done\n"
     )
     base = {"PATH": "/usr/bin:/bin"}  # no nvidia-smi
-    out = subprocess.run(
-        ["bash", "-c", script], env=base | env, capture_output=True, text=True,
-        timeout=60, check=True,
-    ).stdout  # fmt: skip
-    return out.split()
+    proc = run_until_done(
+        ["bash", "-c", script], what="on_gpu over five processes", env=base | env
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()
 
 
 def test_processes_go_round_robin_over_the_listed_gpus():
