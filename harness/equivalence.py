@@ -33,7 +33,7 @@ from . import compat, oracle, sampled
 from .compare import TIE_MARGIN, CellSummary, Position, noise, verify, verify_run
 from .drafter import LOG_ENV, SCRIPT_ENV
 from .fastapply_task import make_eval_set
-from .models import FIRST_SPECIAL_ID, VOCAB
+from .models import FAMILY_SPEC, FIRST_SPECIAL_ID, VOCAB
 
 # the trained fast-apply fixture (``harness.fastapply``; its MTP head is
 # trained too), committed in the repository
@@ -1265,35 +1265,6 @@ def _eagle_probe(drafter: str) -> list[Cell]:
         Cell(FASTAPPLY, drafter, 3, 8, "v1", graphs="full_and_piecewise",
              async_sched=True),
     ]  # fmt: skip
-
-
-# Whether each of the other hybrid families (harness.models.FAMILY_KINDS) has
-# a speculative decoding path in vLLM's source, per line; a string says why
-# not. Upstream refuses none of them at config time; the fork refuses those
-# without a path (Mamba1: v0.26.0 patch 0028, v0.33.0 patch 0021; LFM2 on
-# v0.26.0: patch 0029), so an unsupported family's cells are expected to be
-# refused on the fork and to diverge or fail on upstream (docs/harness.md,
-# "Hybrid families").
-_MAMBA1 = (
-    "Mamba1 mixer: decode calls selective_state_update without "
-    "num_accepted_tokens or spec state indices (v0.26.0 "
-    "layers/mamba/mamba_mixer.py:431, v0.33.0 :377)"
-)
-FAMILY_SPEC = {
-    "falcon_h1": {"v0.26.0": True, "v0.33.0": True},
-    "zamba2": {"v0.26.0": True, "v0.33.0": True},
-    "mamba2": {"v0.26.0": True, "v0.33.0": True},
-    "jamba": {"v0.26.0": _MAMBA1, "v0.33.0": _MAMBA1},
-    "mamba": {"v0.26.0": _MAMBA1, "v0.33.0": _MAMBA1},
-    "lfm2": {
-        "v0.26.0": "ShortConv: no spec path (layers/mamba/short_conv.py reads "
-        "no num_accepted_tokens; its metadata builder has no spec fields)",
-        "v0.33.0": True,
-    },
-    "qwen3_5_moe": {"v0.26.0": True, "v0.33.0": True},
-    "olmo_hybrid": {"v0.26.0": True, "v0.33.0": True},
-}
-FAMILY_SPEC["lfm2_moe"] = FAMILY_SPEC["lfm2"]
 
 
 def family_cells(kind: str = "all") -> list[Cell]:

@@ -196,12 +196,7 @@ def test_sampled_cells_cover_every_speculating_family():
     # of the other hybrid families those without a speculative path on
     # either line (Mamba1: refused by the fork) or that vLLM cannot load
     matrix = set(FIXTURES) - set(FAMILY_KINDS) - {"kimi_linear"}
-    speculating = {
-        k
-        for k in FAMILY_KINDS
-        if any(v is True for v in eq.FAMILY_SPEC[k].values())
-        and FIXTURES[k].get("vllm_loads", True)
-    }
+    speculating = set(sampled.speculating_families())
     assert speculating == {
         "falcon_h1", "zamba2", "mamba2", "lfm2", "lfm2_moe", "qwen3_5_moe",
     }  # fmt: skip
