@@ -29,7 +29,10 @@
 # blocks) ran 18-24 requests and preempted 1,521 times. So SOAK_KV_NGRAM
 # (2e8: about 140 blocks, room for several requests at once) and
 # SOAK_KV_MTP (2.5e7); a call can try several pools side by side
-# (RUN@BYTES, below).
+# (RUN@BYTES, below). The n-gram soak's requests also have to grow once
+# admitted: a fast-apply answer ends within one 208-token block, so every
+# tenth of its requests asks for SOAK_LONG_TOKENS (1024) tokens with
+# ignore_eos (serving.soak --long-tokens).
 # The runs share the GPU: correctness checks only, no timing is judged.
 #
 # A fresh host compiles each candidate for minutes (270-360 s beside other
@@ -58,6 +61,7 @@
 #
 # Environment: SOAK_CLIENTS (256), SOAK_DURATION (300), SOAK_FAULT_REQUESTS
 # (3000), SOAK_KV_NGRAM (2e8), SOAK_KV_MTP (2.5e7), SOAK_MAX_SEQS (64),
+# SOAK_LONG_TOKENS (1024; 0: no long requests),
 # SOAK_DEADLINE (540: the
 # load stops 120 s before it, then the checks),
 # SOAK_RUNS ("soak-ngram soak-mtp fault-mtp"), SOAK_STAGGER (1: each run
@@ -77,6 +81,7 @@ FAULT_REQUESTS=${SOAK_FAULT_REQUESTS:-3000}
 KV_NGRAM=${SOAK_KV_NGRAM:-2e8}
 KV_MTP=${SOAK_KV_MTP:-2.5e7}
 SEQS=${SOAK_MAX_SEQS:-64}
+LONG=${SOAK_LONG_TOKENS:-1024}
 DEADLINE=${SOAK_DEADLINE:-540}
 RUNS=${SOAK_RUNS:-soak-ngram soak-mtp fault-mtp}
 ENVF=${SOAK_BUNDLE_ENV:-/tmp/hybridspec/env.sh}
@@ -103,7 +108,7 @@ common=(--model "$MODEL" --server ref=none --server-args ref=--enforce-eager
   --max-num-seqs "$SEQS" --gpu-mem 0.08
   --engine-args "$ENGINE")
 declare -A ARGS=(
-  [soak-ngram]="--server cand=ngram --kv-bytes $KV_NGRAM --duration $DURATION --expect-preemption --bad-requests --port 8400"
+  [soak-ngram]="--server cand=ngram --kv-bytes $KV_NGRAM --duration $DURATION --expect-preemption --bad-requests --long-tokens $LONG --port 8400"
   [soak-mtp]="--server cand=mtp --kv-bytes $KV_MTP --duration $DURATION --expect-preemption --port 8500"
   [fault-mtp]="--server cand=mtp --kv-bytes $KV_MTP --duration 0 --requests $FAULT_REQUESTS --fault kill-engine --kill-after $((FAULT_REQUESTS / 3)) --port 8600"
 )

@@ -18,10 +18,13 @@ In order (the servers through ``serving.servers``, as ``serve_check``):
    (heterogeneous prompts, completions and chat, streamed and not) with a
    feature by ``i % 10``: 3 a stop string, 5 two sampled completions
    (``n=2``, seeded), 7 structured output (a regex, with the fast-apply
-   prompts), 9 a client that disconnects after the first streamed chunk;
-   the rest greedy as they are. Every ``--sample-s`` seconds it samples the
-   candidate's host memory (RSS of the server and its processes, psutil), its
-   GPU memory (``nvidia-smi``, where there is one) and the requests done;
+   prompts), 9 a client that disconnects after the first streamed chunk,
+   and with ``--long-tokens N`` 1 a long answer (``N`` tokens,
+   ``ignore_eos``: requests that keep growing while others are admitted,
+   so that a small pool preempts); the rest greedy as they are. Every
+   ``--sample-s`` seconds it samples the candidate's host memory (RSS of
+   the server and its processes, psutil), its GPU memory (``nvidia-smi``,
+   where there is one) and the requests done;
 3. with ``--fault kill-engine``: after ``--kill-after`` requests have
    completed, SIGKILLs the candidate's engine-core process (a process under
    it whose command line names ``EngineCore``), waits until every request
@@ -102,6 +105,11 @@ from .servers import (
 )
 
 FEATURES = {3: "stop", 5: "n2", 7: "regex", 9: "disconnect"}
+# with --long-tokens (serving/gpu_soak.sh's n-gram soak): the fast-apply
+# answers end after about 100 tokens, within one 208-token block of the
+# n-gram k=64 align-mode layout, so running requests barely grow and the
+# scheduler, which admits only what fits, never has to preempt
+LONG_INDEX = 1
 # the fast-apply fixture's words: t<id>; its answers stop at " t16" now and
 # then (1.5 % of answer tokens)
 STOP_TEXT = {"fastapply": " t16", "text": "\n\n"}
@@ -110,16 +118,20 @@ STOP_TEXT = {"fastapply": " t16", "text": "\n\n"}
 @dataclass
 class SoakRequest:
     req: Request
-    feature: str  # plain | stop | n2 | regex | disconnect
+    feature: str  # plain | stop | n2 | regex | disconnect | long
 
     @property
     def greedy(self) -> bool:
         return self.feature not in ("n2", "disconnect")
 
 
-def soak_request(pool: list[Request], i: int, prompts: str) -> SoakRequest:
+def soak_request(
+    pool: list[Request], i: int, prompts: str, long_tokens: int = 0
+) -> SoakRequest:
     base = pool[i % len(pool)]
     feature = FEATURES.get(i % 10, "plain")
+    if long_tokens and i % 10 == LONG_INDEX:
+        feature = "long"
     if feature == "regex" and prompts != "fastapply":
         feature = "plain"  # the regex is written for the fixture's words
     req = replace(base, idx=i)
@@ -129,6 +141,8 @@ def soak_request(pool: list[Request], i: int, prompts: str) -> SoakRequest:
         req = replace(req, stream=True)
     if feature == "n2":
         req = replace(req, stream=False)
+    if feature == "long":
+        req = replace(req, max_tokens=long_tokens)
     return SoakRequest(req, feature)
 
 
@@ -140,6 +154,8 @@ def soak_payload(sr: SoakRequest, model: str, logprobs: bool = False) -> dict:
         from harness.equivalence import REGEX
 
         body["structured_outputs"] = {"regex": REGEX}
+    if sr.feature == "long":
+        body["ignore_eos"] = True
     return body
 
 
@@ -349,7 +365,7 @@ async def run_load(a, cand: ServerSpec, pool, log, deadline: float = math.inf) -
             while more():
                 i = started
                 started += 1
-                sr = soak_request(pool, i, a.prompts)
+                sr = soak_request(pool, i, a.prompts, a.long_tokens)
                 body = soak_payload(sr, a.served_name)
                 in_flight.add(i)
                 if sr.feature == "disconnect":
@@ -566,6 +582,13 @@ def parse_args(argv):
     ap.add_argument("--duration", type=float, default=300.0, help="0: --requests")
     ap.add_argument("--requests", type=int, default=0, help="0: --duration")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--long-tokens",
+        type=int,
+        default=0,
+        help="every tenth request (i %% 10 == 1) asks for this many tokens with "
+        "ignore_eos (0: none)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument(
@@ -681,10 +704,10 @@ def main(argv: list[str] | None = None) -> int:
                 for i in sorted(results)
                 if not results[i].get("after_kill")
                 and outcome(results[i]) == "ok"
-                and soak_request(pool, i, a.prompts).greedy
+                and soak_request(pool, i, a.prompts, a.long_tokens).greedy
             ][: a.replay]
             if not again and early:
-                items = [soak_request(pool, i, a.prompts) for i in early]
+                items = [soak_request(pool, i, a.prompts, a.long_tokens) for i in early]
                 got = asyncio.run(
                     replay(cand.url, a.served_name, items, a.ref_concurrency, False)
                 )
@@ -725,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
         kinds: dict[str, int] = {}
         per_feature: dict[str, dict[str, int]] = {}
         for i, res in results.items():
-            sr = soak_request(pool, i, a.prompts)
+            sr = soak_request(pool, i, a.prompts, a.long_tokens)
             o = "disconnected" if res.get("disconnected") else outcome(res)
             kinds[o] = kinds.get(o, 0) + 1
             f = per_feature.setdefault(sr.feature, {})
@@ -733,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
         n2_bad = [
             i
             for i, res in results.items()
-            if soak_request(pool, i, a.prompts).feature == "n2"
+            if soak_request(pool, i, a.prompts, a.long_tokens).feature == "n2"
             and outcome(res) == "ok"
             and not res.get("whole")
         ]
@@ -743,9 +766,9 @@ def main(argv: list[str] | None = None) -> int:
             for i in sorted(results)
             if outcome(results[i]) == "ok"
             and not results[i].get("disconnected")
-            and soak_request(pool, i, a.prompts).greedy
+            and soak_request(pool, i, a.prompts, a.long_tokens).greedy
         ]
-        items = [soak_request(pool, i, a.prompts) for i in greedy]
+        items = [soak_request(pool, i, a.prompts, a.long_tokens) for i in greedy]
         if asyncio.run(wait_ready([ref], deadline, log)):
             raise CheckError(f"not ready: {ref.name}\n" + log_tail(ref.log))
         # the load draws its requests from a pool of prompts: a greedy
@@ -844,7 +867,7 @@ def main(argv: list[str] | None = None) -> int:
             bad_requests=bad,
             results={
                 str(i): {
-                    "feature": soak_request(pool, i, a.prompts).feature,
+                    "feature": soak_request(pool, i, a.prompts, a.long_tokens).feature,
                     "outcome": "disconnected" if r.get("disconnected") else outcome(r),
                     "error": r.get("error"),
                     "latency_s": r.get("latency_s"),

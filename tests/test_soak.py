@@ -219,6 +219,13 @@ def test_request_features_rotate_by_index():
     # structured output only with the fixture's words
     text = build_requests("text", 4, 0, 32)
     assert soak.soak_request(text, 7, "text").feature == "plain"
+    # long answers (--long-tokens) only when asked for, at i % 10 == 1
+    assert feats[1] == "plain"
+    long = soak.soak_request(pool, 11, "fastapply", long_tokens=900)
+    assert long.feature == "long" and long.greedy
+    body = soak.soak_payload(long, "m")
+    assert body["max_tokens"] == 900 and body["ignore_eos"] is True
+    assert "ignore_eos" not in soak.soak_payload(soak.soak_request(pool, 0, "x"), "m")
 
 
 def _gpu_soak(tmp_path, what: str, soak_args: str, **env: str):
