@@ -116,6 +116,42 @@ def gap_noise(top: list, plp: list, start: int) -> float:
     return noise(generated, forced)
 
 
+def judge_forced(row: dict, gaps: list, margin: float) -> None:
+    """Set ``ties``, ``divergences`` and ``status`` of a differing ``row``
+    from its candidate's teacher-forced ``gaps`` (``(position, gap below
+    the reference prefill's top choice)``, None: outside its top-2).
+
+    A candidate whose every token is the prefill's choice, with as many
+    tokens and the same finish as the reference's answer, differs only
+    because the reference's own run took the other side of a near-tie (its
+    first difference, ``row["first"]``, within ``margin``): a tie. One that
+    stopped early or ran on, or whose reference was sure of its own token,
+    diverged."""
+    ties, divs = [], []
+    for j, gap in gaps:
+        if gap is None:
+            divs.append({"pos": j, "gap": None})
+        elif gap > 0:
+            (ties if gap < margin else divs).append({"pos": j, "gap": round(gap, 4)})
+    row["ties"], row["divergences"] = ties, divs
+    row["status"] = "diverged" if divs else "tie"
+    row["judged"] = "teacher-forced"
+    if ties or divs:
+        return
+    first_gap = (row.get("first") or {}).get("gap")
+    same_shape = row.get("same_finish") and row.get("ref_tokens") == row.get(
+        "cand_tokens"
+    )
+    if same_shape and first_gap is not None and first_gap < margin:
+        row["reason"] = (
+            "every candidate token is the reference prefill's choice; the "
+            "reference's own run took the other side of a near-tie"
+        )
+        return
+    row["status"] = "diverged"
+    row["reason"] = "greedy-consistent tokens, different length or stop"
+
+
 async def rescore(url, model, rows, ref_res, cand_res, margin, deadline) -> dict:
     """Judge every differing request token by token: the reference server
     scores prompt + candidate tokens teacher-forced; sets ``ties``,
@@ -203,22 +239,8 @@ async def rescore(url, model, rows, ref_res, cand_res, margin, deadline) -> dict
     worst = max(measured, default=0.0)
     eff = max(margin, 2 * worst)
     for row, g in zip(todo, gaps, strict=True):
-        if g is None:
-            continue
-        ties, divs = [], []
-        for j, gap in g:
-            if gap is None:
-                divs.append({"pos": j, "gap": None})
-            elif gap > 0:
-                (ties if gap < eff else divs).append({"pos": j, "gap": round(gap, 4)})
-        row["ties"], row["divergences"] = ties, divs
-        row["status"] = "diverged" if divs else "tie"
-        row["judged"] = "teacher-forced"
-        if not ties and not divs:
-            # every candidate token is the reference's choice, yet the
-            # sequences differ: one stopped early or ran on
-            row["status"] = "diverged"
-            row["reason"] = "greedy-consistent tokens, different length or stop"
+        if g is not None:
+            judge_forced(row, g, eff)
     return {
         "noise": round(worst, 4),
         "measured_on": len(measured),

@@ -26,13 +26,19 @@
 # blocks) ran one request at a time, each holding 63 % of the pool, and
 # neither it nor 6e7 (43 blocks, on an H100) preempted in 5 minutes; 2.5e7
 # is below one 4,096-token request and does not start. MTP with 2.5e7 (136
-# blocks) ran 18-24 requests and preempted 1,521 times. So SOAK_KV_NGRAM
-# (2e8: about 140 blocks, room for several requests at once) and
-# SOAK_KV_MTP (2.5e7); a call can try several pools side by side
-# (RUN@BYTES, below). The n-gram soak's requests also have to grow once
-# admitted: a fast-apply answer ends within one 208-token block, so every
-# tenth of its requests asks for SOAK_LONG_TOKENS (1024) tokens with
-# ignore_eos (serving.soak --long-tokens).
+# blocks) ran 18-24 requests and preempted 1,521 times.
+# The n-gram candidate is held back by its per-step token budget first:
+# each running request schedules up to 65 tokens a step, so 512 tokens fit
+# about 7, and pools of 6e7, 1.2e8 and 2.5e8 bytes (42, 85 and 179 blocks,
+# about 15 per request) ran 2, 5 and 6-7 requests with 275 waiting and, in
+# the largest, 45 % of the pool free: no preemption in 5 minutes, even
+# with long answers. So its candidate gets SOAK_NGRAM_BUDGET (1024) tokens
+# a step, enough for about 15 requests, and SOAK_KV_NGRAM (1.2e8) holds
+# about 5 of them: the pool, not the budget, is what runs out. Its
+# requests also have to grow once admitted: a fast-apply answer ends
+# within one 208-token block, so every tenth asks for SOAK_LONG_TOKENS
+# (1024) tokens with ignore_eos (serving.soak --long-tokens).
+# A call can try several pools side by side (RUN@BYTES, below).
 # The runs share the GPU: correctness checks only, no timing is judged.
 #
 # A fresh host compiles each candidate for minutes (270-360 s beside other
@@ -60,8 +66,8 @@
 # when every run passed.
 #
 # Environment: SOAK_CLIENTS (256), SOAK_DURATION (300), SOAK_FAULT_REQUESTS
-# (3000), SOAK_KV_NGRAM (2e8), SOAK_KV_MTP (2.5e7), SOAK_MAX_SEQS (64),
-# SOAK_LONG_TOKENS (1024; 0: no long requests),
+# (3000), SOAK_KV_NGRAM (1.2e8), SOAK_NGRAM_BUDGET (1024), SOAK_KV_MTP
+# (2.5e7), SOAK_MAX_SEQS (64), SOAK_LONG_TOKENS (1024; 0: no long requests),
 # SOAK_DEADLINE (540: the
 # load stops 120 s before it, then the checks),
 # SOAK_RUNS ("soak-ngram soak-mtp fault-mtp"), SOAK_STAGGER (1: each run
@@ -78,7 +84,8 @@ WORK=${SOAK_WORK:-/tmp/soak-work}
 CLIENTS=${SOAK_CLIENTS:-256}
 DURATION=${SOAK_DURATION:-300}
 FAULT_REQUESTS=${SOAK_FAULT_REQUESTS:-3000}
-KV_NGRAM=${SOAK_KV_NGRAM:-2e8}
+KV_NGRAM=${SOAK_KV_NGRAM:-1.2e8}
+NGRAM_BUDGET=${SOAK_NGRAM_BUDGET:-1024}
 KV_MTP=${SOAK_KV_MTP:-2.5e7}
 SEQS=${SOAK_MAX_SEQS:-64}
 LONG=${SOAK_LONG_TOKENS:-1024}
@@ -108,7 +115,7 @@ common=(--model "$MODEL" --server ref=none --server-args ref=--enforce-eager
   --max-num-seqs "$SEQS" --gpu-mem 0.08
   --engine-args "$ENGINE")
 declare -A ARGS=(
-  [soak-ngram]="--server cand=ngram --kv-bytes $KV_NGRAM --duration $DURATION --expect-preemption --bad-requests --long-tokens $LONG --port 8400"
+  [soak-ngram]="--server cand=ngram --kv-bytes $KV_NGRAM --duration $DURATION --expect-preemption --bad-requests --long-tokens $LONG --server-args cand=--max-num-batched-tokens=$NGRAM_BUDGET --port 8400"
   [soak-mtp]="--server cand=mtp --kv-bytes $KV_MTP --duration $DURATION --expect-preemption --port 8500"
   [fault-mtp]="--server cand=mtp --kv-bytes $KV_MTP --duration 0 --requests $FAULT_REQUESTS --fault kill-engine --kill-after $((FAULT_REQUESTS / 3)) --port 8600"
 )

@@ -787,12 +787,28 @@ def main(argv: list[str] | None = None) -> int:
         for pos, row in enumerate(rows):
             row["idx_pos"] = pos
             row["feature"] = items[pos].feature
-        plain = [r for r in rows if r["feature"] != "regex"]
+        plain = [r for r in rows if r["feature"] not in ("regex", "long")]
         judged = asyncio.run(
             rescore(
                 ref.url, a.served_name, plain, ref_res, cand_res, a.tie_margin, deadline
             )  # fmt: skip
         )
+        long_rows = [r for r in rows if r["feature"] == "long"]
+        if long_rows:
+            # long answers (ignore_eos) run past the fixture's end of text,
+            # where its distributions are flat: their noise is judged apart,
+            # so that it does not widen every other answer's margin
+            judged["long"] = asyncio.run(
+                rescore(
+                    ref.url,
+                    a.served_name,
+                    long_rows,
+                    ref_res,
+                    cand_res,
+                    a.tie_margin,
+                    deadline,
+                )  # fmt: skip
+            )
         # structured output: teacher forcing does not see the grammar, so
         # such a request is judged at its first difference only, from the
         # reference run's own top-k (a tie when the candidate's token is
@@ -923,6 +939,15 @@ def markdown(r: dict) -> str:
                 f"least {m['floor']}."
             ]
             if (m := r.get("tie_margin"))
+            else []
+        ),
+        *(
+            [
+                f"Long answers (ignore_eos) judged apart: tie margin "
+                f"{m['margin']} nats, twice the noise measured on "
+                f"{m['measured_on']} of their reference answers ({m['noise']})."
+            ]
+            if (m := (r.get("tie_margin") or {}).get("long"))
             else []
         ),
         f"Spec-decode counters: {r['spec_metrics']}; preemptions: {r['preemptions']}.",

@@ -402,6 +402,39 @@ def test_first_difference_is_judged_from_the_reference_top_k():
     assert prompts.TOP_K >= 4
 
 
+def test_teacher_forced_judgement_of_a_differing_answer():
+    """Every candidate token the reference prefill's choice: a tie when the
+    two answers have the same length and finish and the reference's own run
+    differed at a near-tie (its run broke the tie the other way); diverged
+    when one stopped early or the reference was sure of its own token."""
+
+    def row(first_gap, ref_tokens=8, cand_tokens=8, same_finish=True):
+        return {
+            "status": "differs",
+            "ref_tokens": ref_tokens,
+            "cand_tokens": cand_tokens,
+            "same_finish": same_finish,
+            "first": {"pos": 3, "gap": first_gap},
+        }
+
+    consistent = [(j, 0.0) for j in range(8)]
+    margin = 0.5
+    r = row(0.125)
+    cmp.judge_forced(r, consistent, margin)
+    assert r["status"] == "tie" and "near-tie" in r["reason"]
+    for r in (row(0.125, cand_tokens=5), row(0.125, same_finish=False), row(0.9)):
+        cmp.judge_forced(r, consistent, margin)
+        assert r["status"] == "diverged", r
+        assert r["reason"] == "greedy-consistent tokens, different length or stop"
+    r = row(0.0)
+    cmp.judge_forced(r, [(0, 0.0), (1, 0.3), (2, None)], margin)
+    assert r["status"] == "diverged" and r["ties"] == [{"pos": 1, "gap": 0.3}]
+    assert r["divergences"] == [{"pos": 2, "gap": None}]
+    r = row(0.0)
+    cmp.judge_forced(r, [(0, 0.0), (1, 0.3)], margin)
+    assert r["status"] == "tie" and "reason" not in r
+
+
 def test_request_sets_are_heterogeneous_and_fixed():
     a = prompts.build_requests("text", 64, 0, 128)
     assert [asdict_(r) for r in a] == [asdict_(r) for r in prompts.text_requests(64, 0)]

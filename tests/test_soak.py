@@ -305,6 +305,10 @@ def test_gpu_soak_script_runs_pool_sizes_side_by_side(tmp_path):
             f = tar.extractfile(f"soak-ngram-{size}/soak.json")
             cfg = json.load(f)["config"]
         assert str(cfg["kv_bytes"]) == size
+        # the n-gram candidate's step budget (SOAK_NGRAM_BUDGET) and long
+        # answers (SOAK_LONG_TOKENS), so that its pool runs out
+        assert "cand=--max-num-batched-tokens=1024" in cfg["server_args"]
+        assert cfg["long_tokens"] == 1024
         ports.add(cfg["port"])
     assert len(ports) == 2
 
