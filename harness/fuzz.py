@@ -486,6 +486,14 @@ ROW_KEEP = (
     "traceback",  # the engine error's last frames: what a failure is triaged by
     "drift_violations",
     "first_drift",
+    # the prompt-logprob oracle of "plp" requests: what flagged such a
+    # configuration, and by how much
+    "prompt_drift_max",
+    "prompt_drift_threshold",
+    "prompt_drift_topk_max",
+    "prompt_drift_topk_threshold",
+    "prompt_drift_violations",
+    "prompt_first_drift",
 )
 
 

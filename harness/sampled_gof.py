@@ -1,7 +1,7 @@
 """The sampled-decoding distribution test on a GPU host (``harness.sampled``
 has the statistics and why; this module drives vLLM)::
 
-    python -m harness.sampled_gof --model qwen3_5 --drafter mtp --k 3 \\
+    python -m harness.sampled_gof --model nemotron_h --drafter mtp --k 3 \\
         --preset t0.8-p0.9-k5 --length 3 --out reports/sampled
 """
 
@@ -29,6 +29,24 @@ from .sampled import (
 # logprobs per conditional (vLLM's default max_logprobs): the support needs
 # top_k of them, the planned "truncation" bug the mass beyond top_k
 PLAN_LOGPROBS = 20
+
+
+# fixtures whose recurrent layers run FLA's chunked kernels (Gated DeltaNet,
+# KDA): on CUDA they refuse float32 ("ChunkGatedDeltaRuleFunction does not
+# support float32"), and in bfloat16 the kernel noise is large enough for
+# the G-test to see (noncentrality ~ N * noise^2)
+FLA_FIXTURES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "fastapply", "kimi_linear")
+
+
+def float32_refusal(model: str, dtype: str) -> str | None:
+    """Why ``model`` cannot run the test in ``dtype`` on a GPU, or None."""
+    if dtype == "float32" and model in FLA_FIXTURES:
+        return (
+            f"{model}: its linear-attention layers run FLA kernels, which refuse "
+            "float32 on CUDA; use the Mamba2 hybrid (--model nemotron_h, the "
+            "default), whose kernels take float32"
+        )
+    return None
 
 
 def exact_conditionals(llm, prompt: list[int], p: Preset, length: int) -> dict:
@@ -63,7 +81,7 @@ def exact_conditionals(llm, prompt: list[int], p: Preset, length: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     """The distribution test on a GPU host (vLLM installed)::
 
-        python -m harness.sampled_gof --model qwen3_5 --drafter mtp --k 3 \\
+        python -m harness.sampled_gof --model nemotron_h --drafter mtp --k 3 \\
             --preset t0.8-p0.9-k5 --length 3 --out reports/sampled
 
     Writes ``<out>/gof-<model>-<drafter>-<preset>.json``: the exact joint
@@ -74,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     assume the draft at each position is the target's argmax (what
     ``scripted:all_accept`` proposes on the greedy path)."""
     ap = argparse.ArgumentParser(description=main.__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen3_5")
+    ap.add_argument("--model", default="nemotron_h")
     ap.add_argument("--drafter", default="mtp")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--runner", default="v1")
@@ -91,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default="reports/sampled")
     a = ap.parse_args(argv)
+    if why := float32_refusal(a.model, a.dtype):
+        ap.error(why)
     import tempfile
     from pathlib import Path
 

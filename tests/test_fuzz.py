@@ -893,6 +893,21 @@ def test_a_failed_configuration_keeps_the_engine_traceback():
     assert line["row"]["traceback"].endswith("AssertionError")
 
 
+def test_a_plp_configuration_keeps_what_its_prompt_oracle_measured():
+    """A configuration flagged by the prompt-logprob oracle alone (no token
+    divergence, no generated-token drift) says where and by how much."""
+    first = {"prompt": 1, "position": 40, "token": 7, "drift": 0.4}
+    row = {"status": "diverged", "tokens": 64, "divergences": 0,
+           "drift_violations": 0, "prompt_drift_max": 0.4,
+           "prompt_drift_threshold": 0.1, "prompt_drift_violations": 3,
+           "prompt_first_drift": first}  # fmt: skip
+    line = fuzz.result_line("s1-0", FuzzConfig("qwen3_5", "ngram", 8), row, None)
+    assert line["status"] == "failed"
+    assert line["row"]["prompt_drift_violations"] == 3
+    assert line["row"]["prompt_first_drift"] == first
+    assert line["row"]["prompt_drift_threshold"] == 0.1
+
+
 def test_regroup_writes_one_group_per_failure_with_its_seed(tmp_path):
     run = tmp_path / "fork-s3.jsonl"
     a = FuzzConfig("qwen3_5", "ngram", 8, chunked=True, budget=64)

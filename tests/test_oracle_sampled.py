@@ -305,3 +305,17 @@ def test_sampled_gof_main_with_a_fake_engine(monkeypatch, tmp_path, bug):
     assert r["ok"] is (bug is None), r["tests"]
     if bug:
         assert r["tests"]["1"]["ok"]  # the first token is not speculative
+
+
+def test_sampled_gof_refuses_float32_for_fla_fixtures(capsys):
+    """FLA's chunked kernels (Gated DeltaNet, KDA) refuse float32 on CUDA:
+    the test says so before it starts an engine, and names the fixture to
+    use; bfloat16 or a Mamba2 fixture pass the check."""
+    from harness import sampled_gof
+
+    with pytest.raises(SystemExit) as e:
+        sampled_gof.main(["--model", "qwen3_5"])
+    assert e.value.code == 2
+    assert "--model nemotron_h" in capsys.readouterr().err
+    assert sampled_gof.float32_refusal("qwen3_5", "bfloat16") is None
+    assert sampled_gof.float32_refusal("nemotron_h", "float32") is None
