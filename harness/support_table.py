@@ -14,14 +14,19 @@ matrix has no such cell. Errors and refusals carry a footnote, the reason cut
 from the cell's error text, one footnote per distinct reason. Upstream's
 totals go in one line below the table.
 
+More folders after the first (``DIR MORE...``: slices run after the whole
+matrix, such as the families, tensor-parallel or sampled slices) add their
+cells; a cell a later folder also ran takes the later result. The caption
+names every folder.
+
 With ``--readme``, the table replaces the region of that file between
 
-    <!-- support-table BEGIN line=<line> dir=<report folder> -->
+    <!-- support-table BEGIN line=<line> dir=<report folder>[,<more>...] -->
     <!-- support-table END -->
 
-(the marker's ``dir`` is rewritten to the folder used); with ``--check`` the
-file is left alone and the exit status is 1 where the region is not the
-generator's output for the folder the marker names.
+(the marker's ``dir`` is rewritten to the folders used); with ``--check``
+the file is left alone and the exit status is 1 where the region is not the
+generator's output for the folders the marker names.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import os
 import re
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 from .full_matrix import collect
@@ -61,6 +67,7 @@ DRAFTERS: dict[str, str] = {
     "ngram_gpu": "GPU n-gram",
     "mtp": "MTP",
     "eagle3": "EAGLE-3",
+    "eagle": "EAGLE-1",
     "draft_model:dense": "draft model (attention-only)",
     "draft_model": "draft model (hybrid)",
     "scripted": "scripted drafts (test drafter)",
@@ -137,27 +144,59 @@ def _rel(path: Path, base: Path) -> str:
     return Path(os.path.relpath(path.resolve(), base.resolve())).as_posix()
 
 
-def _unstarted(got: dict, report_dir: Path) -> str:
+def _ran(report_dir: Path) -> set[str]:
+    """The slices ``report_dir`` has a fork report of."""
+    return {f.name.partition("-fork")[0] for f in report_dir.glob("*-fork*.json")}
+
+
+def _unstarted(got: dict, report_dir: Path, also: Sequence[Path] = ()) -> str:
     """ ", or one of the N cells ..." where the matrix's calls left fork cells
-    unstarted (a call's deadline), else "". Only the slices the folder has a
+    unstarted (a call's deadline), else "". Only the slices a folder has a
     fork report of count: a slice added to the matrix after the run was
-    never asked for."""
+    never asked for. The first folder's slices are the whole matrix's
+    (``harness.full_matrix.RUNS``); a later folder's are whatever slices it
+    ran."""
+    from .equivalence import slice_cells
     from .full_matrix import _key, expected_cells
 
-    ran = {f.name.partition("-fork")[0] for f in report_dir.glob("*-fork*.json")}
+    ran = _ran(report_dir)
     keys = {_key(c) for s, c in expected_cells() if s in ran}
+    for d in also:
+        for s in _ran(d):
+            try:
+                keys |= {_key(c.key()) for c in slice_cells(s)}
+            except ValueError:  # not a slice of this harness
+                continue
     n = len(keys - set(got["fork"]))
     return (f", or one of the {n} cells a call's deadline left unstarted"
             if n else "")  # fmt: skip
 
 
-def table(report_dir: Path, line: str | None = None, base: Path | None = None) -> str:
-    """The support table of the reports in ``report_dir`` (markdown, ending
-    in a newline); links are relative to ``base`` (default: the repo)."""
+def gather(report_dir: Path, also: Sequence[Path] = ()) -> dict:
+    """``harness.full_matrix.collect`` of ``report_dir`` and then of each
+    folder of ``also`` in turn: a cell a later folder also ran takes its
+    result there."""
+    got = collect(Path(report_dir))
+    for d in also:
+        for variant, cells in collect(Path(d)).items():
+            got[variant].update(cells)
+    return got
+
+
+def table(
+    report_dir: Path,
+    line: str | None = None,
+    base: Path | None = None,
+    also: Sequence[Path] = (),
+) -> str:
+    """The support table of the reports in ``report_dir`` and the folders of
+    ``also`` (markdown, ending in a newline); links are relative to ``base``
+    (default: the repo)."""
     report_dir = Path(report_dir)
+    also = [Path(d) for d in also]
     base = REPO if base is None else Path(base)
     line = line or _line_of(report_dir)
-    got = collect(report_dir)
+    got = gather(report_dir, also)
     fork = [c for c, _ in got["fork"].values()]
     upstream = [c for c, _ in got["upstream"].values()]
     if not fork:
@@ -231,15 +270,27 @@ def table(report_dir: Path, line: str | None = None, base: Path | None = None) -
         )
         if x
     )
+    more = ""
+    if also:
+        links = []
+        for d in also:
+            r = d / "README.md"
+            name = d.name if d.parent.name == line else f"{d.parent.name}/{d.name}"
+            links.append(f"[`{name}`]({_rel(r if r.exists() else d, base)})")
+        more = (
+            " and the slices run after it in "
+            + ", ".join(links)
+            + " (a cell run again takes its newest result)"
+        )
     caption = (
         f"Generated by `python -m harness support-table` from "
-        f"[`{report_dir.name}`]({_rel(link, base)}) ({meta}): the fork's "
+        f"[`{report_dir.name}`]({_rel(link, base)}) ({meta}){more}: the fork's "
         f"{len(fork)} cells ({totals(fork)}), counted per model runner ("
         + ", ".join(RUNNER_TEXT.get(r, r) for r in runners)
         + ") and mamba cache mode ("
         + " / ".join(modes)
         + "); refused = rejected at config time; not run = no such cell in the "
-        "matrix" + _unstarted(got, report_dir) + "."
+        "matrix" + _unstarted(got, report_dir, also) + "."
     )
     head = "| target | " + " | ".join(DRAFTERS.get(d, d) for d in drafters) + " |"
     out = [caption, "", head, "|" + "---|" * (len(drafters) + 1), *rows, ""]
@@ -280,24 +331,51 @@ def regions(text: str) -> list[tuple[re.Match, int]]:
     return out
 
 
-def rewrite(
-    text: str, line: str, report_dir: Path | None, base: Path, root: Path = REPO
-) -> str:
+def marker_dirs(m: re.Match) -> list[str]:
+    """The folders a BEGIN marker names (``dir=A[,B...]``), as written."""
+    return m.group(2).split(",")
+
+
+def _as_list(report_dir) -> list:
+    return list(report_dir) if isinstance(report_dir, (list, tuple)) else [report_dir]
+
+
+def rewrite(text: str, line: str, report_dir, base: Path, root: Path = REPO) -> str:
     """``text`` with the region of ``line`` rebuilt from ``report_dir`` (the
     folder its marker names where None)."""
     for m, end in regions(text):
         if m.group(1) != line:
             continue
-        d = root / m.group(2) if report_dir is None else Path(report_dir)
-        marker = f"<!-- support-table BEGIN line={line} dir={_rel(d, root)} -->\n"
-        return text[: m.start()] + marker + table(d, line, base) + text[end:]
+        if report_dir is None:
+            d, *also = (root / x for x in marker_dirs(m))
+        else:
+            d, *also = (Path(x) for x in _as_list(report_dir))
+        names = ",".join(_rel(x, root) for x in (d, *also))
+        marker = f"<!-- support-table BEGIN line={line} dir={names} -->\n"
+        return text[: m.start()] + marker + table(d, line, base, also) + text[end:]
     raise SystemExit(f"no support-table region for line {line}")
+
+
+def default_dirs(text: str, line: str, root: Path = REPO) -> list[Path]:
+    """Without folders given: the line's newest whole matrix, then the
+    folders of later slices ``text``'s marker names that are not older than
+    it (by the date in their path)."""
+    first = newest(line, root)
+    later = [
+        root / d
+        for m, _ in regions(text)
+        if m.group(1) == line
+        for d in marker_dirs(m)[1:]
+        if _date(d) >= _date(first.name)
+    ]
+    return [first, *later]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("dir", nargs="?", help="report folder (default: the line's "
-                    "newest reports/equivalence/<line>/full-matrix-*)")  # fmt: skip
+    ap.add_argument("dir", nargs="*", help="report folder (default: the line's "
+                    "newest reports/equivalence/<line>/full-matrix-*), then "
+                    "folders of slices run after it")  # fmt: skip
     ap.add_argument("--line", default=None, help="vLLM line (default: from DIR, "
                     "else v0.26.0)")  # fmt: skip
     ap.add_argument("--readme", help="rewrite this file's marked region")
@@ -305,25 +383,25 @@ def main(argv: list[str] | None = None) -> int:
                     "1 if the region is not the generator's output for the folder "
                     "its marker names; change nothing")  # fmt: skip
     a = ap.parse_args(argv)
-    line = a.line or (_line_of(Path(a.dir)) if a.dir else "v0.26.0")
+    line = a.line or (_line_of(Path(a.dir[0])) if a.dir else "v0.26.0")
     if not a.readme:
-        d = Path(a.dir) if a.dir else newest(line)
-        sys.stdout.write(table(d, line, Path.cwd()))
+        d, *also = [Path(x) for x in a.dir] or [newest(line)]
+        sys.stdout.write(table(d, line, Path.cwd(), also))
         return 0
     readme = Path(a.readme)
     old = readme.read_text()
     if a.check:
-        new = rewrite(old, line, Path(a.dir) if a.dir else None, readme.parent)
+        new = rewrite(old, line, [Path(x) for x in a.dir] or None, readme.parent)
         if new != old:
             sys.stderr.write(f"{readme}: the support table of {line} is stale; "
                              f"run python -m harness support-table --line {line} "
                              f"--readme {readme}\n")  # fmt: skip
             return 1
         return 0
-    d = Path(a.dir) if a.dir else newest(line)
-    new = rewrite(old, line, d, readme.parent)
+    dirs = [Path(x) for x in a.dir] or default_dirs(old, line)
+    new = rewrite(old, line, dirs, readme.parent)
     readme.write_text(new)
-    print(f"{readme}: support table of {line} from {d}")
+    print(f"{readme}: support table of {line} from " + ", ".join(map(str, dirs)))
     return 0
 
 

@@ -153,10 +153,12 @@ def test_readme_matches_the_reports():
     found = st.regions(text)
     assert found, "README.md has no support-table region"
     for m, end in found:
-        line, folder = m.group(1), REPO / m.group(2)
-        assert folder.is_dir(), f"the marker names a missing folder: {folder}"
+        line = m.group(1)
+        folder, *also = (REPO / x for x in st.marker_dirs(m))
+        for d in (folder, *also):
+            assert d.is_dir(), f"the marker names a missing folder: {d}"
         body = text[m.end() : end]
-        assert body == st.table(folder, line, REPO), (
+        assert body == st.table(folder, line, REPO, also), (
             f"README.md's support table of {line} is stale: run python -m "
             f"harness support-table --line {line} --readme README.md"
         )
@@ -165,8 +167,11 @@ def test_readme_matches_the_reports():
 def test_readme_region_is_the_newest_matrix():
     text = (REPO / "README.md").read_text()
     for m, _ in st.regions(text):
-        assert (REPO / m.group(2)).resolve() == st.newest(m.group(1)).resolve()
-        assert re.search(r"/full-matrix-[^/]*\d{4}-\d{2}-\d{2}$", m.group(2))
+        first, *also = st.marker_dirs(m)
+        assert (REPO / first).resolve() == st.newest(m.group(1)).resolve()
+        assert re.search(r"/full-matrix-[^/]*\d{4}-\d{2}-\d{2}$", first)
+        # the folders after it hold slices run later: none is a whole matrix
+        assert not any("/full-matrix-" in d for d in also)
 
 
 def test_python_m_harness_support_table_check():
@@ -192,3 +197,46 @@ def test_unstarted_counts_only_slices_the_matrix_ran(tmp_path: Path):
     assert _unstarted(got, tmp_path) == (
         f", or one of the {len(smoke) - 1} cells a call's deadline left unstarted"
     )
+
+
+def test_later_folders_add_cells_and_override_the_same_cell(folder: Path):
+    """A folder of slices run after the whole matrix adds its cells; a cell
+    it ran again takes its result there; the caption names it; the README
+    marker lists both folders and --check accepts the rewritten region."""
+    later = folder.parent / "families-h200-2030-01-05"
+    later.mkdir()
+    (later / "README.md").write_text("later\n")
+    # the matrix's diverged NemotronH MTP cell, run again: identical now
+    again = cell("nemotron_h", "mtp", "ok", runner="mrv2", cache_mode="align")
+    new = cell("zamba2", "ngram", "ok")
+    (later / "families-fork-1-of-2.json").write_text(json.dumps([again, new]))
+    md = st.table(folder, base=folder.parent, also=[later])
+    t = parse(md)
+    assert t["NemotronH (Mamba2)", "MTP"].endswith(
+        "MRV2: none not run; align 1 identical"
+    )
+    assert t["Zamba2 (Mamba2)", "n-gram"].startswith("V1: none 1 identical")
+    assert "the fork's 10 cells (7 identical, 0 diverged" in md
+    assert "slices run after it in [`families-h200-2030-01-05`](" in md
+    # the later folder's slice counts its cells that did not run as unstarted
+    from harness.equivalence import slice_cells
+
+    n = len(slice_cells("families"))  # the folder's two cells are not its own
+    assert f"or one of the {n} cells a call's deadline left unstarted" in md
+    readme = folder.parent / "README.md"
+    readme.write_text(f"<!-- support-table BEGIN line=v9.9.9 dir=x -->\n{st.END}\n")
+    assert st.main([str(folder), str(later), "--readme", str(readme)]) == 0
+    ((m, _),) = st.regions(readme.read_text())
+    assert [Path(d).name for d in st.marker_dirs(m)] == [folder.name, later.name]
+    assert st.main(["--line", "v9.9.9", "--readme", str(readme), "--check"]) == 0
+
+
+def test_without_folders_the_marker_keeps_its_later_slices():
+    """``--readme`` with no folder: the newest whole matrix first, then the
+    later-slice folders the marker names (the README's region stays what
+    the generator makes of them)."""
+    text = (REPO / "README.md").read_text()
+    for m, _ in st.regions(text):
+        named = [REPO / d for d in st.marker_dirs(m)]
+        got = st.default_dirs(text, m.group(1))
+        assert [d.resolve() for d in got] == [d.resolve() for d in named]
