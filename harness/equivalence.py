@@ -1247,6 +1247,24 @@ def slice_cells(name: str) -> list[Cell]:
                          async_sched=True, extra=tp),
                 ]  # fmt: skip
         return cells
+    if name == "tp2-probe":
+        # NemotronH + MTP at tensor_parallel_size=2 diverged at the first
+        # generated token (default runner, full and piecewise graphs, async
+        # scheduling, none mode) on fork and upstream: the same target with
+        # other drafters, and MTP without async scheduling and without
+        # graphs, to find the part that differs from the TP=1 cells
+        tp, fp = {"tensor_parallel_size": 2}, "full_and_piecewise"
+        nh = "nemotron_h"
+        return [
+            Cell(nh, "ngram", 5, 8, "default", graphs=fp, extra=tp),
+            Cell(nh, "scripted:accept_then_zero", 4, 8, "default", graphs=fp,
+                 extra=tp),
+            Cell(nh, "mtp", 3, 8, "default", extra=tp),
+            Cell(nh, "mtp", 3, 8, "default", graphs=fp, extra=tp),
+            Cell(nh, "mtp", 3, 8, "v1", graphs=fp, async_sched=True, extra=tp),
+            Cell(nh, "mtp", 3, 8, "default", graphs=fp, async_sched=True,
+                 extra=tp),
+        ]  # fmt: skip
     if name == "families" or name.startswith("families-"):
         return family_cells(name.removeprefix("families").lstrip("-") or "all")
     raise ValueError(f"unknown slice {name}")

@@ -925,6 +925,22 @@ def test_equivalence_imports_the_task_without_the_fastapply_module():
     assert proc.stdout.strip() == "2"
 
 
+def test_tp2_probe_slice_isolates_the_nemotron_h_mtp_cell():
+    """NemotronH at tensor_parallel_size 2: other drafters, and MTP with
+    and without graphs and async scheduling, beside the failing cell."""
+    from harness.equivalence import engine_kwargs, slice_cells, spec_config
+
+    cells = slice_cells("tp2-probe")
+    assert {c.model for c in cells} == {"nemotron_h"}
+    assert {c.drafter for c in cells} == {"ngram", "scripted:accept_then_zero", "mtp"}
+    mtp = {(c.runner, c.graphs, c.async_sched) for c in cells if c.drafter == "mtp"}
+    assert ("default", "full_and_piecewise", True) in mtp  # the failing cell
+    assert ("default", "eager", False) in mtp
+    assert ("default", "full_and_piecewise", False) in mtp
+    for c in cells:
+        assert engine_kwargs(c, "/m", spec_config(c))["tensor_parallel_size"] == 2
+
+
 def test_tp2_slice_shards_every_recurrent_head_count():
     """The tensor-parallel cells (2 GPUs): n-gram k=64 and MTP on both
     runners and cache modes, every cell with tensor_parallel_size 2, on
