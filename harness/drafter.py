@@ -64,6 +64,12 @@ def all_accept(ctx: StepContext) -> tuple[int, int]:
     return ctx.k, ctx.k
 
 
+def all_reject(ctx: StepContext) -> tuple[int, int]:
+    """k drafts, none correct: every verify step rejects all of them, so a
+    layer whose state takes in rejected tokens is corrupted at every step."""
+    return ctx.k, 0
+
+
 def accept_then_zero(ctx: StepContext) -> tuple[int, int]:
     """Full accept, then a step without drafts: the trigger of the reported
     corruption (a non-speculative step after one that accepted N > 1)."""
@@ -85,6 +91,7 @@ _BASE: dict[str, Schedule] = {
     "random": random_schedule,
     "all_zero": all_zero,
     "all_accept": all_accept,
+    "all_reject": all_reject,
     "accept_then_zero": accept_then_zero,
     "boundary": boundary,
 }

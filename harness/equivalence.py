@@ -1247,6 +1247,18 @@ def slice_cells(name: str) -> list[Cell]:
                          async_sched=True, extra=tp),
                 ]  # fmt: skip
         return cells
+    if name == "mamba1-probe":
+        # Mamba1 (Jamba, Mamba) is refused by the fork; upstream ran it with
+        # n-gram and scripted drafts and stayed identical, with the one cell
+        # that rejected drafts at 0.98 of its drift threshold (1.9x its
+        # floor). Every draft rejected, k=4 and 8, against the same schedule
+        # on a Mamba2 hybrid: a state that takes in rejected tokens shows
+        # here if anywhere
+        return [
+            Cell(m, "scripted:all_reject", k, 8, "v1")
+            for m in ("jamba", "mamba", "nemotron_h")
+            for k in (4, 8)
+        ] + [Cell("jamba", "scripted:heterogeneous", 8, 8, "v1")]
     if name == "tp2-probe":
         # NemotronH + MTP at tensor_parallel_size=2 diverged at the first
         # generated token (default runner, full and piecewise graphs, async

@@ -116,6 +116,7 @@ def _ctx(step=0, generated=10, length=40, k=4, row=0, block=16):
 def test_schedules_shapes():
     assert SCHEDULES["all_zero"](_ctx()) == (0, 0)
     assert SCHEDULES["all_accept"](_ctx()) == (4, 4)
+    assert SCHEDULES["all_reject"](_ctx()) == (4, 0)
     assert SCHEDULES["accept_then_zero"](_ctx(step=0)) == (4, 4)
     assert SCHEDULES["accept_then_zero"](_ctx(step=1)) == (0, 0)
     for step in range(50):
@@ -923,6 +924,16 @@ def test_equivalence_imports_the_task_without_the_fastapply_module():
     proc = _run_python("-c", code)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "2"
+
+
+def test_mamba1_probe_rejects_every_draft_on_mamba1_and_a_mamba2_control():
+    from harness.equivalence import slice_cells
+
+    cells = slice_cells("mamba1-probe")
+    rejecting = [c for c in cells if c.drafter == "scripted:all_reject"]
+    assert {c.model for c in rejecting} == {"jamba", "mamba", "nemotron_h"}
+    assert {c.k for c in rejecting} == {4, 8}
+    assert all(c.runner == "v1" for c in cells)
 
 
 def test_tp2_probe_slice_isolates_the_nemotron_h_mtp_cell():
