@@ -590,18 +590,43 @@ def prompt_lps(outs) -> list[tuple[list[int], list]]:
     ]
 
 
-def judge_prompt_lps(cand, ref, floor_run, dtype: str) -> dict:
+def judge_prompt_lps(
+    cand, ref, floor_run, dtype: str, path_floor: oracle.Floor | None = None
+) -> dict:
     """The drift oracle on prompt logprobs: the candidate's against the
     reference's, position by position, within the noise between the
     reference and its floor run (the same prompts in another batch
-    composition). Report fields prefixed ``prompt_``."""
+    composition) or, where larger, ``path_floor``: the cell's own floor, the
+    noise between two correct computations of a token's logprobs along other
+    kernel paths (decode against prefill). The floor run repeats each
+    prompt's prefill in the same engine, which is nearly batch-invariant;
+    the candidate's engine is configured otherwise (its verify rows share
+    the token budget, so its prompts are chunked elsewhere), so that floor
+    alone would call that engine's rounding a drift.
+
+    A prompt that is not the reference's (a later turn that continues an
+    answer which went the other way at a tie) is compared up to its first
+    other token: prompt logprobs there condition on the same prefix.
+    Report fields prefixed ``prompt_``, and ``prompt_differs``: how many
+    prompts were compared only in part."""
     floor = oracle.Floor()
     for (toks, r), (_, f) in zip(ref, floor_run, strict=True):
         floor.add(r, f, toks)
+    if path_floor is not None:
+        floor.token = max(floor.token, path_floor.token)
+        floor.topk = max(floor.topk, path_floor.topk)
+        floor.positions = max(floor.positions, path_floor.positions)
     drift = oracle.CellDrift()
-    for i, ((toks, c), (_, r)) in enumerate(zip(cand, ref, strict=True)):
-        drift.add(i, c, r, toks)
-    return {f"prompt_{k}": v for k, v in drift.judge(floor, dtype).items()}
+    differs = 0
+    for i, ((ctoks, c), (rtoks, r)) in enumerate(zip(cand, ref, strict=True)):
+        n = 0
+        while n < min(len(ctoks), len(rtoks)) and ctoks[n] == rtoks[n]:
+            n += 1
+        differs += n < max(len(ctoks), len(rtoks))
+        drift.add(i, c[:n], r[:n], ctoks[:n])
+    out = {f"prompt_{k}": v for k, v in drift.judge(floor, dtype).items()}
+    out["prompt_differs"] = differs
+    return out
 
 
 def reference_positions(outs) -> list[list[Position]]:
@@ -895,7 +920,9 @@ def run_cells(
             if row["drift_violations"] and oracle.enforced():
                 row["status"] = "diverged"
             if rkey in ref_plps and id(row) in cand_plps:
-                judged = judge_prompt_lps(cand_plps[id(row)], *ref_plps[rkey], dtype)
+                judged = judge_prompt_lps(
+                    cand_plps[id(row)], *ref_plps[rkey], dtype, path_floor=floor
+                )
                 row.update(judged)
                 if judged["prompt_drift_violations"] and oracle.enforced():
                     row["status"] = "diverged"

@@ -493,6 +493,8 @@ ROW_KEEP = (
     "prompt_drift_topk_max",
     "prompt_drift_topk_threshold",
     "prompt_drift_violations",
+    "prompt_drift_floor",
+    "prompt_differs",
     "prompt_first_drift",
 )
 

@@ -1202,6 +1202,46 @@ def test_prompt_logprobs_are_judged_against_the_reference(tmp_path, monkeypatch)
     assert eq.request_kwargs(cells[0]) == {"prompt_logprobs": eq.oracle.TOPK}
 
 
+def test_prompt_logprob_floor_and_prompts_that_went_another_way():
+    """judge_prompt_lps: the floor run repeats a prefill in the same engine
+    (no noise here), so the cell's own floor (decode against prefill)
+    bounds it from below: a candidate engine's rounding within that floor
+    passes, a nat does not. A prompt that continues an answer which went
+    another way at a tie is compared up to its first other token."""
+    from harness import oracle
+    from harness.equivalence import judge_prompt_lps
+
+    def lps(toks, shift=0.0, at=None):
+        return [
+            {t: -1.0 + (shift if at is None or i == at else 0.0), t + 1: -3.0}
+            for i, t in enumerate(toks)
+        ]
+
+    toks = [5, 6, 7, 8, 9, 10]
+    ref = [(toks, lps(toks))]
+    floor_run = [(toks, lps(toks))]  # batch-invariant prefill: floor 0
+    rounding = [(toks, lps(toks, 0.03))]
+    path = oracle.Floor(token=0.05, topk=0.05, positions=200)
+
+    strict = judge_prompt_lps(rounding, ref, floor_run, "bfloat16")
+    assert strict["prompt_drift_violations"] > 0  # the floor run alone
+    ok = judge_prompt_lps(rounding, ref, floor_run, "bfloat16", path_floor=path)
+    assert ok["prompt_drift_violations"] == 0
+    assert ok["prompt_drift_floor"] == pytest.approx(0.05)
+    bug = [(toks, lps(toks, 1.0, at=2))]
+    bad = judge_prompt_lps(bug, ref, floor_run, "bfloat16", path_floor=path)
+    assert bad["prompt_drift_violations"] == 1
+    assert bad["prompt_first_drift"]["position"] == 2
+
+    # a later turn: the candidate's prompt carries its own answer from
+    # position 3 on; its logprobs there condition on another prefix
+    other = toks[:3] + [50, 51, 52]
+    turn = [(other, lps(toks[:3]) + lps([50, 51, 52], 4.0))]
+    got = judge_prompt_lps(turn, ref, floor_run, "bfloat16", path_floor=path)
+    assert got["prompt_differs"] == 1
+    assert got["prompt_drift_violations"] == 0 and got["prompt_drift_positions"] == 3
+
+
 def test_the_regex_admits_exactly_the_low_half_of_the_fixture_vocabulary():
     """The "regex" request features, compiled by xgrammar (vLLM's default
     structured-output backend) over the fixtures' word-level tokenizer:
