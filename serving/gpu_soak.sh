@@ -32,9 +32,10 @@
 # about 7, and pools of 6e7, 1.2e8 and 2.5e8 bytes (42, 85 and 179 blocks,
 # about 15 per request) ran 1-2, 4-5 and 5-7 requests with about 270
 # waiting and, in the largest, 38-57 % of the pool free: no preemption in
-# 5 minutes, even with long answers. So its candidate gets SOAK_NGRAM_BUDGET (1024) tokens
-# a step, enough for about 15 requests, and SOAK_KV_NGRAM (1.2e8) holds
-# about 5 of them: the pool, not the budget, is what runs out. Its
+# 5 minutes, even with long answers. So its candidate gets
+# SOAK_NGRAM_BUDGET (1024) tokens a step, enough for about 15 requests,
+# and SOAK_KV_NGRAM (1.2e8) holds about 5 of them: the pool, not the
+# budget, is what runs out. Its
 # requests also have to grow once admitted: a fast-apply answer ends
 # within one 208-token block, so every tenth asks for SOAK_LONG_TOKENS
 # (1024) tokens with ignore_eos (serving.soak --long-tokens).

@@ -107,8 +107,8 @@ from .servers import (
 FEATURES = {3: "stop", 5: "n2", 7: "regex", 9: "disconnect"}
 # with --long-tokens (serving/gpu_soak.sh's n-gram soak): the fast-apply
 # answers end after about 100 tokens, within one 208-token block of the
-# n-gram k=64 align-mode layout, so running requests barely grow and the
-# scheduler, which admits only what fits, never has to preempt
+# n-gram k=64 align-mode layout: running requests barely grow, and the
+# scheduler admits only what fits, so without growth it never preempts
 LONG_INDEX = 1
 # the fast-apply fixture's words: t<id>; its answers stop at " t16" now and
 # then (1.5 % of answer tokens)
