@@ -1299,6 +1299,7 @@ def slice_cells(name: str) -> list[Cell]:
             Cell(nh, "scripted:accept_then_zero", 4, 8, "default", graphs=fp,
                  extra=tp),
             Cell(nh, "mtp", 3, 8, "default", extra=tp),
+            Cell(nh, "mtp", 3, 8, "default", async_sched=True, extra=tp),
             Cell(nh, "mtp", 3, 8, "default", graphs=fp, extra=tp),
             Cell(nh, "mtp", 3, 8, "v1", graphs=fp, async_sched=True, extra=tp),
             Cell(nh, "mtp", 3, 8, "default", graphs=fp, async_sched=True,

@@ -947,6 +947,7 @@ def test_tp2_probe_slice_isolates_the_nemotron_h_mtp_cell():
     mtp = {(c.runner, c.graphs, c.async_sched) for c in cells if c.drafter == "mtp"}
     assert ("default", "full_and_piecewise", True) in mtp  # the failing cell
     assert ("default", "eager", False) in mtp
+    assert ("default", "eager", True) in mtp
     assert ("default", "full_and_piecewise", False) in mtp
     for c in cells:
         assert engine_kwargs(c, "/m", spec_config(c))["tensor_parallel_size"] == 2
