@@ -1,8 +1,8 @@
 """The sampled-decoding distribution test on a GPU host (``harness.sampled``
 has the statistics and why; this module drives vLLM)::
 
-    python -m harness.sampled_gof --model nemotron_h --drafter mtp --k 3 \\
-        --preset t0.8-p0.9-k5 --length 3 --out reports/sampled
+    python -m harness.sampled_gof --model nemotron_h --drafter scripted:all_accept \\
+        --k 3 --preset t0.8-p0.9-k5 --length 3 --out reports/sampled
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def exact_conditionals(llm, prompt: list[int], p: Preset, length: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     """The distribution test on a GPU host (vLLM installed)::
 
-        python -m harness.sampled_gof --model nemotron_h --drafter mtp --k 3 \\
-            --preset t0.8-p0.9-k5 --length 3 --out reports/sampled
+        python -m harness.sampled_gof --model nemotron_h \\
+            --drafter scripted:all_accept --k 3 --preset t0.8-p0.9-k5 --length 3 \\
+            --out reports/sampled
 
     Writes ``<out>/gof-<model>-<drafter>-<preset>.json``: the exact joint
     distribution's size, the planned sample count per bug, the G-test per
@@ -93,7 +94,10 @@ def main(argv: list[str] | None = None) -> None:
     ``scripted:all_accept`` proposes on the greedy path)."""
     ap = argparse.ArgumentParser(description=main.__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="nemotron_h")
-    ap.add_argument("--drafter", default="mtp")
+    # the greedy path as one-hot drafts: what the power plan assumes, and the
+    # rule n-gram and MTP drafts follow too (NemotronH's MTP head is built in
+    # its config's dtype, bfloat16, not the engine's float32)
+    ap.add_argument("--drafter", default="scripted:all_accept")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--runner", default="v1")
     ap.add_argument("--preset", default="t0.8-p0.9-k5")
