@@ -39,25 +39,30 @@ _wanted() {  # is series entry $2 part of variant $1?
   return 1
 }
 make_site() {
-  local variant=${1:-upstream} dir series i
+  # built in a folder of its own and renamed into place: scripts started
+  # side by side in one call may make the same site at once, and none may
+  # see another's half-patched copy (mv -T does not replace a site another
+  # process finished first; that one is kept)
+  local variant=${1:-upstream} dir series i tmp
   dir=$(_site_dir "$variant")
   [[ -d $dir ]] && return 0
   mapfile -t series < <(grep -v '^\s*$' "$PATCHES/series" 2>/dev/null)
+  tmp=$(mktemp -d "$dir.part.XXXXXX") && rmdir "$tmp" || return 1
+  cp -r "$BUNDLE_SITE" "$tmp"
   if ((BUNDLE_PATCHES == 0)); then
-    cp -r $BUNDLE_SITE "$dir"
     for ((i=0; i<${#series[@]}; i++)); do
       _wanted "$variant" "${series[$i]}" || continue
-      (cd "$dir" && git apply --include='vllm/*' "$PATCHES/${series[$i]}") \
-        || { echo "apply failed: ${series[$i]}"; rm -rf "$dir"; return 1; }
+      (cd "$tmp" && git apply --include='vllm/*' "$PATCHES/${series[$i]}") \
+        || { echo "apply failed: ${series[$i]}"; rm -rf "$tmp"; return 1; }
     done
   else
-    cp -r $BUNDLE_SITE "$dir"
     for ((i=${#series[@]}-1; i>=0; i--)); do
       _wanted "$variant" "${series[$i]}" && continue
-      (cd "$dir" && git apply -R --include='vllm/*' "$PATCHES/${series[$i]}") \
-        || { echo "reverse-apply failed: ${series[$i]}"; rm -rf "$dir"; return 1; }
+      (cd "$tmp" && git apply -R --include='vllm/*' "$PATCHES/${series[$i]}") \
+        || { echo "reverse-apply failed: ${series[$i]}"; rm -rf "$tmp"; return 1; }
     done
   fi
+  mv -T "$tmp" "$dir" 2>/dev/null || rm -rf "$tmp"
   echo "[site] $variant: $dir"
 }
 # the old name, for scripts that make only upstream sites

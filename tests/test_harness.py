@@ -1027,6 +1027,49 @@ def test_every_variant_process_gets_its_own_compile_cache():
     ]
 
 
+def test_sites_made_side_by_side_are_whole(tmp_path):
+    """Two scripts of one GPU call making the same variant's site at once
+    (``make_site``, harness/upstream_site.sh): each builds its own copy and
+    renames it into place, so the site ends up whole, reversed once, with
+    no half-built copy left beside it, and a third call reuses it."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    lines = (repo / "harness/upstream_site.sh").read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("_site_dir()"))
+    end = next(i for i, ln in enumerate(lines) if ln.startswith("make_upstream_site"))
+    site = tmp_path / "bundle-site" / "vllm"
+    site.mkdir(parents=True)
+    (site / "x.py").write_text("".join(f"line {i}\n" for i in range(200)) + "fixed\n")
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    (patches / "0001-fix.patch").write_text(
+        "--- a/vllm/x.py\n+++ b/vllm/x.py\n@@ -200,2 +200,2 @@\n"
+        " line 199\n-broken\n+fixed\n"
+    )
+    (patches / "series").write_text("0001-fix.patch\n")
+    script = "\n".join(
+        [
+            f"BUNDLE_SITE={tmp_path / 'bundle-site'}",
+            f"PATCHES={patches}",
+            "BUNDLE_PATCHES=1",
+            *lines[start:end],
+            f'_site_dir() {{ echo "{tmp_path}/site-$1"; }}',
+            "make_site upstream > /dev/null & a=$!",
+            "make_site upstream > /dev/null & b=$!",
+            'wait "$a" && wait "$b" && make_site upstream',
+        ]
+    )
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""  # the third call found the site made
+    made = tmp_path / "site-upstream" / "vllm" / "x.py"
+    assert made.read_text().endswith("line 199\nbroken\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "bundle-site", "patches", "site-upstream",
+    ]  # fmt: skip
+
+
 def test_stop_cells_share_their_stop_ids_with_their_own_reference(
     tmp_path, monkeypatch
 ):
