@@ -519,12 +519,28 @@ def judge_restart(fault, greedy, items, ref_res, a, ref_url, deadline):
     for pos, (row, (i, _)) in enumerate(zip(rows, again, strict=True)):
         row["idx_pos"] = pos
         row["feature"] = items[pos_of[i]].feature
-    plain = [r for r in rows if r["feature"] != "regex"]
-    judged = asyncio.run(
-        rescore(ref_url, a.served_name, plain, refs, cands, a.tie_margin, deadline)
-    )
+    judged = rescore_apart(ref_url, a.served_name, rows, refs, cands, a, deadline)
     finalize(rows, judged["margin"])
     return rows + unjudged
+
+
+def rescore_apart(url, model, rows, refs, cands, a, deadline) -> dict:
+    """``serving.compare.rescore`` of the rows the reference can teacher-force
+    (structured output cannot: the grammar is not in a prefill), the long
+    answers (ignore_eos) apart: past the fixture's end of text its
+    distributions are flat, and their noise would widen every other answer's
+    margin. Returns the plain rows' judgement, the long rows' under
+    ``"long"``."""
+    plain = [r for r in rows if r["feature"] not in ("regex", "long")]
+    judged = asyncio.run(
+        rescore(url, model, plain, refs, cands, a.tie_margin, deadline)
+    )
+    long_rows = [r for r in rows if r["feature"] == "long"]
+    if long_rows:
+        judged["long"] = asyncio.run(
+            rescore(url, model, long_rows, refs, cands, a.tie_margin, deadline)
+        )
+    return judged
 
 
 def judge(rows: list[dict]) -> dict:
@@ -787,28 +803,9 @@ def main(argv: list[str] | None = None) -> int:
         for pos, row in enumerate(rows):
             row["idx_pos"] = pos
             row["feature"] = items[pos].feature
-        plain = [r for r in rows if r["feature"] not in ("regex", "long")]
-        judged = asyncio.run(
-            rescore(
-                ref.url, a.served_name, plain, ref_res, cand_res, a.tie_margin, deadline
-            )  # fmt: skip
+        judged = rescore_apart(
+            ref.url, a.served_name, rows, ref_res, cand_res, a, deadline
         )
-        long_rows = [r for r in rows if r["feature"] == "long"]
-        if long_rows:
-            # long answers (ignore_eos) run past the fixture's end of text,
-            # where its distributions are flat: their noise is judged apart,
-            # so that it does not widen every other answer's margin
-            judged["long"] = asyncio.run(
-                rescore(
-                    ref.url,
-                    a.served_name,
-                    long_rows,
-                    ref_res,
-                    cand_res,
-                    a.tie_margin,
-                    deadline,
-                )  # fmt: skip
-            )
         # structured output: teacher forcing does not see the grammar, so
         # such a request is judged at its first difference only, from the
         # reference run's own top-k (a tie when the candidate's token is

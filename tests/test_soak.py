@@ -340,3 +340,26 @@ def test_gpu_soak_script_ends_by_its_deadline_when_a_server_never_starts(tmp_pat
     # the fault run waited for the soak's candidate, then had no time left
     assert "fault-mtp: no time left, not started" in proc.stdout
     assert (out / "soak-ngram.tgz").exists()
+
+
+def test_long_answers_are_rescored_apart(monkeypatch):
+    """rescore_apart: structured output is not teacher-forced, long answers
+    (ignore_eos) are judged with their own measured noise, the rest
+    together; the soak and the restart check both go through it."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    async def fake_rescore(url, model, rows, refs, cands, margin, deadline):
+        calls.append([r["feature"] for r in rows])
+        return {"margin": margin, "rows": len(rows)}
+
+    monkeypatch.setattr(soak, "rescore", fake_rescore)
+    rows = [{"feature": f} for f in ("plain", "regex", "long", "stop", "long")]
+    a = SimpleNamespace(tie_margin=0.05)
+    judged = soak.rescore_apart("u", "m", rows, [], [], a, 0.0)
+    assert calls == [["plain", "stop"], ["long", "long"]]
+    assert judged["rows"] == 2 and judged["long"]["rows"] == 2
+    calls.clear()
+    assert "long" not in soak.rescore_apart("u", "m", rows[:2], [], [], a, 0.0)
+    assert calls == [["plain"]]
