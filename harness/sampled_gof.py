@@ -31,16 +31,25 @@ from .sampled import (
 PLAN_LOGPROBS = 20
 
 
-# fixtures whose recurrent layers run FLA's chunked kernels (Gated DeltaNet,
-# KDA): on CUDA they refuse float32 ("ChunkGatedDeltaRuleFunction does not
-# support float32"), and in bfloat16 the kernel noise is large enough for
-# the G-test to see (noncentrality ~ N * noise^2)
-FLA_FIXTURES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "fastapply", "kimi_linear")
+def runs_fla(model: str) -> bool:
+    """Whether ``model``'s recurrent layers run FLA's chunked kernels (Gated
+    DeltaNet, KDA: ``harness.models.FIXTURES``' ``mixers``; the fast-apply
+    fixture is a Qwen3.5). On CUDA they refuse float32
+    ("ChunkGatedDeltaRuleFunction does not support float32"), and in
+    bfloat16 their noise is large enough for the G-test to see
+    (noncentrality ~ N * noise^2)."""
+    from .equivalence import FASTAPPLY
+    from .models import FIXTURES
+
+    if model == FASTAPPLY:
+        return True
+    mixers = FIXTURES[model]["mixers"] if model in FIXTURES else ""
+    return "GDN" in mixers or "KDA" in mixers
 
 
 def float32_refusal(model: str, dtype: str) -> str | None:
     """Why ``model`` cannot run the test in ``dtype`` on a GPU, or None."""
-    if dtype == "float32" and model in FLA_FIXTURES:
+    if dtype == "float32" and runs_fla(model):
         return (
             f"{model}: its linear-attention layers run FLA kernels, which refuse "
             "float32 on CUDA; use the Mamba2 hybrid (--model nemotron_h, the "

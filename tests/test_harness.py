@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import fake_engines, fake_output
+from conftest import fake_engines, fake_output, run_until_done
 
 from harness.compare import CellSummary, Position, noise, verify
 from harness.drafter import (
@@ -1032,8 +1032,6 @@ def test_sites_made_side_by_side_are_whole(tmp_path):
     (``make_site``, harness/upstream_site.sh): each builds its own copy and
     renames it into place, so the site ends up whole, reversed once, with
     no half-built copy left beside it, and a third call reuses it."""
-    import subprocess
-
     repo = Path(__file__).resolve().parents[1]
     lines = (repo / "harness/upstream_site.sh").read_text().splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.startswith("_site_dir()"))
@@ -1060,7 +1058,7 @@ def test_sites_made_side_by_side_are_whole(tmp_path):
             'wait "$a" && wait "$b" && make_site upstream',
         ]
     )
-    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    proc = run_until_done(["bash", "-c", script], what="three make_site calls")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == ""  # the third call found the site made
     made = tmp_path / "site-upstream" / "vllm" / "x.py"

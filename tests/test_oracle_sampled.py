@@ -319,3 +319,9 @@ def test_sampled_gof_refuses_float32_for_fla_fixtures(capsys):
     assert "--model nemotron_h" in capsys.readouterr().err
     assert sampled_gof.float32_refusal("qwen3_5", "bfloat16") is None
     assert sampled_gof.float32_refusal("nemotron_h", "float32") is None
+    # derived from the fixtures' mixers: every GDN and KDA fixture
+    fla = {m for m in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "kimi_linear",
+                       "olmo_hybrid", "fastapply", "nemotron_h", "zamba2",
+                       "lfm2", "jamba") if sampled_gof.runs_fla(m)}  # fmt: skip
+    assert fla == {"qwen3_5", "qwen3_5_moe", "qwen3_next", "kimi_linear",
+                   "olmo_hybrid", "fastapply"}  # fmt: skip
