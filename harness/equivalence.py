@@ -616,6 +616,8 @@ def judge_prompt_lps(
         floor.token = max(floor.token, path_floor.token)
         floor.topk = max(floor.topk, path_floor.topk)
         floor.positions = max(floor.positions, path_floor.positions)
+        for b, v in path_floor.by_mag.items():
+            floor.by_mag[b] = max(floor.by_mag.get(b, 0.0), v)
     drift = oracle.CellDrift()
     differs = 0
     for i, ((ctoks, c), (rtoks, r)) in enumerate(zip(cand, ref, strict=True)):

@@ -41,7 +41,7 @@ for v in $VARIANTS; do
     for ((i = 1; i <= n; i++)); do
       run="$s-${v//+/-with-}" shard=()
       ((n > 1)) && run="$run-$i-of-$n" shard=(--shard "$i/$n")
-      on_gpu ${#pids[@]} in_variant "$v" timeout -k 15 $((DEADLINE + 170)) python3 -m harness.equivalence --slice "$s" \
+      HS_EXTRA_PATH=$(slice_path "$s") on_gpu ${#pids[@]} in_variant "$v" timeout -k 15 $((DEADLINE + 170)) python3 -m harness.equivalence --slice "$s" \
         "${shard[@]}" --run "$run" --out "$OUT/equivalence" --deadline "$DEADLINE" \
         > "$OUT/logs/$run.log" 2>&1 &
       pids+=($!)

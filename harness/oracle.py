@@ -24,6 +24,14 @@ tokens agree. A non-speculative run's logprobs come from the decode path,
 the reference's from a prefill: the floor holds the kernel-path noise a
 correct speculative run also carries.
 
+The floor of an emitted token is taken at its size (``Floor.at``): the
+largest drift the floor runs showed on any entry, emitted or top-k, no
+larger than it. A non-speculative run emits mostly near-certain tokens, so
+the plain token floor is about zero; a sampled candidate, or one whose
+acceptance does not follow the target (synthetic acceptance), also emits
+tokens of log-probability -3 or -10, which carry the logits' noise as the
+floor's top-k entries of that size do.
+
 Threshold (``threshold``): ``factor * max(floor, eps(dtype))``, and never
 below the floor plus two rounding steps at the position's magnitude
 (``allowance``). The factor
@@ -105,6 +113,9 @@ class PositionDrift:
     # size of one rounding step there (``allowance``)
     token_mag: float = 0.0
     topk_mag: float = 0.0
+    # (drift, magnitude) of every entry both sides returned: the emitted
+    # token and the top-k union (``Floor.at``)
+    entries: tuple[tuple[float, float], ...] = ()
 
 
 def _topk_drift(cand: LP, ref: LP, k: int) -> tuple[float, bool, float]:
@@ -139,7 +150,13 @@ def position_drift(cand: LP, ref: LP, token: int, k: int = TOPK) -> PositionDrif
     top, changed, top_mag = _topk_drift(cand, ref, k)
     if tok >= top:
         top, top_mag = tok, tok_mag
-    return PositionDrift(tok, top, changed, tok_mag, top_mag)
+    shared = {token, *(t for t, _ in _topk(cand, k)), *(t for t, _ in _topk(ref, k))}
+    entries = tuple(
+        (abs(cand[t] - ref[t]), max(abs(cand[t]), abs(ref[t])))
+        for t in sorted(shared)
+        if t in cand and t in ref and math.isfinite(cand[t]) and math.isfinite(ref[t])
+    )
+    return PositionDrift(tok, top, changed, tok_mag, top_mag, entries)
 
 
 def sequence_drift(
@@ -163,12 +180,31 @@ class Floor:
     token: float = 0.0
     topk: float = 0.0
     positions: int = 0
+    # magnitude bucket (``bucket``) -> the largest drift of an entry of that
+    # size, over emitted tokens and top-k entries alike (``at``)
+    by_mag: dict[int, float] = field(default_factory=dict)
 
     def _add(self, drifts: Iterable[PositionDrift]) -> None:
         for d in drifts:
             self.token = max(self.token, d.token)
             self.topk = max(self.topk, d.topk)
             self.positions += 1
+            for drift, mag in d.entries:
+                b = bucket(mag)
+                self.by_mag[b] = max(self.by_mag.get(b, 0.0), drift)
+
+    def at(self, magnitude: float) -> float:
+        """The largest drift the floor saw on an entry no larger than
+        ``magnitude`` (to its power of two): the floor of an emitted token
+        of that size. A non-speculative run emits mostly near-certain
+        tokens, whose log-probabilities barely move, so ``token`` is about
+        zero; a sampled candidate, and one whose acceptance does not follow
+        the target (synthetic acceptance), emits tokens of -3 or -10 too,
+        whose values carry the logits' noise as the top-k entries of the
+        same size do. Entries larger than the token's do not count, so a
+        near-certain token is still held to the near-certain floor."""
+        b = bucket(magnitude)
+        return max((v for k, v in self.by_mag.items() if k <= b), default=0.0)
 
     def add(self, gen: Sequence[LP], forced: Sequence[LP], tokens: Sequence[int]):
         if _complete(gen, forced, tokens):
@@ -188,6 +224,14 @@ class Floor:
             # same prefix, different tokens: the top-k still must agree
             top, changed, mag = _topk_drift(a[n], b[n], TOPK)
             self._add([PositionDrift(0.0, top, changed, 0.0, mag)])
+
+
+def bucket(magnitude: float) -> int:
+    """``ceil(log2(magnitude))``, at least -4: entries of up to 1/16, then
+    one bucket per power of two."""
+    if not (magnitude > 2.0**-4):
+        return -4
+    return math.ceil(math.log2(magnitude)) if math.isfinite(magnitude) else 64
 
 
 def _complete(a: Sequence, b: Sequence, tokens: Sequence) -> bool:
@@ -274,7 +318,11 @@ class CellDrift:
         violations = 0
         first = None
         for prompt, pos, tok, d in self.drifts:
-            lim_tok = max(thr_tok, allowance(floor.token, dtype, d.token_mag))
+            lim_tok = max(
+                thr_tok,
+                allowance(floor.token, dtype, d.token_mag),
+                threshold(floor.at(d.token_mag), dtype, c),
+            )
             lim_top = max(thr_top, allowance(floor.topk, dtype, d.topk_mag))
             if d.token > lim_tok or d.topk > lim_top:
                 violations += 1
@@ -293,6 +341,9 @@ class CellDrift:
             "drift_floor": _r(floor.token),
             "drift_topk_floor": _r(floor.topk),
             "drift_floor_positions": floor.positions,
+            "drift_floor_by_magnitude": {
+                str(2.0**b): _r(v) for b, v in sorted(floor.by_mag.items())
+            },
             "drift_factor": round(c, 3),
             "drift_threshold": _r(thr_tok),
             "drift_topk_threshold": _r(thr_top),

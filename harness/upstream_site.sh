@@ -80,24 +80,34 @@ variant_env() {
   echo "VLLM_CACHE_ROOT=$(variant_cache "$1") PYTHONPATH=${2:+$2:}$(site_pythonpath "$1")"
 }
 # in_variant VARIANT CMD...: run CMD in the variant's environment
+# (HS_EXTRA_PATH, if set, goes first on its PYTHONPATH)
 in_variant() {
   local v=$1
   shift
   # shellcheck disable=SC2046
-  env $(variant_env "$v") "$@"
+  env $(variant_env "$v" "${HS_EXTRA_PATH:-}") "$@"
 }
-# prepare_variants "VARIANTS" MEM: every variant's site made; MEM is the
-# default share of GPU memory per process (HSFORK_GPU_MEM overrides it)
-# FlashInfer, where the bundle carries it, is importable only for the calls
-# that test it (a slice list naming `flashinfer`, or HS_FLASHINFER=1): with
-# it every engine autotunes and JIT-compiles at start
-# (hsfork/flashinfer_toggle.sh says why)
+# FlashInfer, where the bundle carries it, is importable only for the
+# processes that test it: with it every engine autotunes and JIT-compiles
+# at start (hsfork/flashinfer_toggle.sh says why). `flashinfer_for` moves it
+# out of the shared dependency folder (HS_FLASHINFER=1: leaves it there for
+# every process); a slice named flashinfer* then gets that folder first on
+# its own PYTHONPATH (`slice_path`), so that it runs beside the others in
+# one call instead of turning FlashInfer on for all of them.
+FLASHINFER_DIR=/tmp/hybridspec/flashinfer-off
 flashinfer_for() {
   local mode=off
-  [[ " $1 " == *flashinfer* || ${HS_FLASHINFER:-0} == 1 ]] && mode=on
+  [[ ${HS_FLASHINFER:-0} == 1 ]] && mode=on
   [ -d /tmp/hybridspec/deps ] && bash "$R/hsfork/flashinfer_toggle.sh" "$mode"
   return 0
 }
+# slice_path SLICE: the PYTHONPATH prefix of a slice's processes
+slice_path() {
+  [[ $1 == flashinfer* && -d $FLASHINFER_DIR/flashinfer ]] && echo "$FLASHINFER_DIR"
+  return 0
+}
+# prepare_variants "VARIANTS" MEM: every variant's site made; MEM is the
+# default share of GPU memory per process (HSFORK_GPU_MEM overrides it)
 prepare_variants() {
   local v
   for v in $1; do make_site "$v" || return 1; done

@@ -1014,6 +1014,7 @@ def test_every_variant_process_gets_its_own_compile_cache():
         + [
             "variant_env fork; variant_env upstream; variant_env fork /pre",
             "in_variant upstream sh -c 'echo $VLLM_CACHE_ROOT $PYTHONPATH'",
+            "HS_EXTRA_PATH=/fi in_variant fork sh -c 'echo $PYTHONPATH'",
         ]
     )
     out = subprocess.run(
@@ -1024,7 +1025,40 @@ def test_every_variant_process_gets_its_own_compile_cache():
         "VLLM_CACHE_ROOT=/tmp/vllm-cache/upstream PYTHONPATH=/repo:/sites/upstream",
         "VLLM_CACHE_ROOT=/tmp/vllm-cache/fork PYTHONPATH=/pre:/repo:/sites/fork",
         "/tmp/vllm-cache/upstream /repo:/sites/upstream",
+        "/fi:/repo:/sites/fork",
     ]
+
+
+def test_only_a_flashinfer_slice_gets_flashinfer_on_its_path(tmp_path):
+    """FlashInfer stays out of the shared dependency folder; a flashinfer*
+    slice's processes get the folder it was moved to first on their own
+    PYTHONPATH (``slice_path``, which gpu_matrix.sh puts before
+    ``in_variant``), so it runs beside other slices in one call."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    lines = (repo / "harness/upstream_site.sh").read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("slice_path()"))
+    fi = tmp_path / "flashinfer-off"
+    body = [f"FLASHINFER_DIR={fi}", *lines[start : start + 4]]
+    script = "\n".join(
+        [
+            *body,
+            "for s in flashinfer flashinfer-mrv2 families fp8; do",
+            '  echo "$s=$(slice_path $s)"; done',
+        ]  # fmt: skip
+    )
+
+    def run():
+        return subprocess.run(["bash", "-c", script], capture_output=True,
+                              text=True, check=True).stdout.split()  # fmt: skip
+
+    # the bundle carries no FlashInfer: nobody gets the folder
+    assert run() == ["flashinfer=", "flashinfer-mrv2=", "families=", "fp8="]
+    (fi / "flashinfer").mkdir(parents=True)
+    assert run() == [f"flashinfer={fi}", f"flashinfer-mrv2={fi}", "families=", "fp8="]
+    text = (repo / "harness/gpu_matrix.sh").read_text()
+    assert 'HS_EXTRA_PATH=$(slice_path "$s") on_gpu' in text
 
 
 def test_sites_made_side_by_side_are_whole(tmp_path):

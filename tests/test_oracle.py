@@ -181,6 +181,56 @@ def test_drift_above_floor_fails_at_floor_passes():
     assert jb["first_drift"]["position"] == 17
 
 
+def _peaked(rng, n, noise, rank=0, bump=0.0):
+    """A trained fixture's positions: one near-certain token (logit +12),
+    a few others of -3 to -8, the rest deep; the candidate's logits carry
+    ``noise`` and it emits the ``rank``-th token (a sampled or synthetic
+    acceptance run emits unlikely ones), whose logit ``bump`` moves."""
+    refs, cands, toks = [], [], []
+    for _ in range(n):
+        logits = rng.normal(-8, 1, VOCAB)
+        logits[rng.choice(VOCAB, 4, replace=False)] = rng.uniform(5, 9, 4)
+        logits[rng.integers(VOCAB)] = 12.0
+        tok = int(np.argsort(-logits, kind="stable")[rank])
+        c = logits + rng.normal(0, noise, VOCAB)
+        c[tok] += bump
+        lr, lc = _log_softmax(logits), _log_softmax(c)
+        refs.append(_dict(lr, tok))
+        cands.append(_dict(lc, tok))
+        toks.append(tok)
+    return refs, cands, toks
+
+
+def test_an_unlikely_emitted_token_is_judged_by_the_floor_at_its_size():
+    # The floor runs emit the near-certain token: its log-probability
+    # barely moves, so the plain token floor is about zero. A correct
+    # candidate that emits the second-ranked token (about -4 nats) carries
+    # the same logit noise as the floor's top-k entries of that size and
+    # passes; one whose emitted token's logit is off by half a nat fails.
+    noise = 0.02
+    rng = np.random.default_rng(0)
+    floor = oracle.Floor()
+    for _ in range(12):
+        refs, cands, toks = _peaked(rng, 64, noise)
+        floor.add(cands, refs, toks)
+    assert floor.token < 0.01 < floor.at(4.0)
+    assert floor.at(0.01) <= floor.token + 1e-12  # near-certain: still tight
+
+    def judged(bump):
+        cell = oracle.CellDrift()
+        r = np.random.default_rng(1)
+        for p in range(8):
+            refs, cands, toks = _peaked(r, 64, noise, rank=1, bump=bump)
+            cell.add(p, cands, refs, toks)
+        return cell.judge(floor, "bfloat16")
+
+    ok = judged(0.0)
+    assert ok["drift_max"] > 2 * ok["drift_threshold"]  # the old rule's bar
+    assert ok["drift_violations"] == 0
+    assert ok["drift_floor_by_magnitude"]
+    assert judged(0.5)["drift_violations"] > 0
+
+
 def test_floor_is_not_below_dtype_precision():
     floor = oracle.Floor(token=0.0, topk=0.0, positions=1000)
     d = oracle.CellDrift()
