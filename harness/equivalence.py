@@ -69,7 +69,9 @@ class Cell:
     # harness.compat.default_runner; the engine's pick is in accept.model_runner)
     runner: str = "v1"
     cache_mode: str = "none"  # none | align
-    graphs: str = "eager"  # eager | full_and_piecewise
+    # eager, or a cudagraph_mode: full_and_piecewise, piecewise, none
+    # (compiled, no graphs)
+    graphs: str = "eager"
     # None: not passed, vLLM's default (async with n-gram on MRV2 in v0.33.0;
     # the engine's choice is in accept.async_scheduling)
     async_sched: bool | None = False
@@ -1222,9 +1224,13 @@ def slice_cells(name: str) -> list[Cell]:
         # that prefix caching keeps, a path of its own), FA3 or FlashInfer
         # attention; n-gram k=64, GPU n-gram, MTP; both runners; the
         # reference runs the same kernels without speculation
+        # FlashInfer's GDN prefill (its CuTe DSL kernel) takes head size 128
+        # only and fails at the first prefill on the fixtures' 64 ("DSL
+        # kernel only supports D=128"): these cells keep the Triton GDN
+        # prefill until a fixture of that head size exists
         fa, fp = FASTAPPLY, "full_and_piecewise"
-        fi = {"gdn_prefill_backend": "flashinfer", "attention_backend": "FLASHINFER"}
-        fa3 = {"gdn_prefill_backend": "flashinfer", "attention_backend": "FLASH_ATTN"}
+        fi = {"gdn_prefill_backend": "triton", "attention_backend": "FLASHINFER"}
+        fa3 = {"gdn_prefill_backend": "triton", "attention_backend": "FLASH_ATTN"}
         return [
             Cell(fa, "ngram", 64, 8, "v1", max_tokens=128, extra=fi),
             Cell(fa, "ngram", 64, 16, "v1", "align", chunked=True,
@@ -1289,23 +1295,23 @@ def slice_cells(name: str) -> list[Cell]:
             for k in (4, 8)
         ] + [Cell("jamba", "scripted:heterogeneous", 8, 8, "v1")]
     if name == "tp2-probe":
-        # NemotronH + MTP at tensor_parallel_size=2 diverged at the first
-        # generated token (default runner, full and piecewise graphs, async
-        # scheduling, none mode) on fork and upstream: the same target with
-        # other drafters, and MTP without async scheduling and without
-        # graphs, to find the part that differs from the TP=1 cells
+        # NemotronH at tensor_parallel_size=2 diverges at the first
+        # generated token with CUDA graphs (full and piecewise) whatever the
+        # drafter (n-gram, scripted, MTP; both runners) and is identical in
+        # eager mode, while the fast-apply (GDN) cells with graphs are
+        # identical. The reference runs eager: the same target compiled
+        # without speculation (drafter "none"), compiled without CUDA graphs
+        # ("none") and with piecewise graphs only, to tell a compile or graph
+        # difference of the target at TP=2 from one of speculation
         tp, fp = {"tensor_parallel_size": 2}, "full_and_piecewise"
         nh = "nemotron_h"
         return [
+            Cell(nh, "none", 0, 8, "default", graphs=fp, extra=tp),
+            Cell(nh, "none", 0, 8, "default", graphs="none", extra=tp),
+            Cell(nh, "ngram", 5, 8, "default", graphs="none", extra=tp),
+            Cell(nh, "ngram", 5, 8, "default", graphs="piecewise", extra=tp),
+            Cell(nh, "none", 0, 8, "v1", graphs=fp, extra=tp),
             Cell(nh, "ngram", 5, 8, "default", graphs=fp, extra=tp),
-            Cell(nh, "scripted:accept_then_zero", 4, 8, "default", graphs=fp,
-                 extra=tp),
-            Cell(nh, "mtp", 3, 8, "default", extra=tp),
-            Cell(nh, "mtp", 3, 8, "default", async_sched=True, extra=tp),
-            Cell(nh, "mtp", 3, 8, "default", graphs=fp, extra=tp),
-            Cell(nh, "mtp", 3, 8, "v1", graphs=fp, async_sched=True, extra=tp),
-            Cell(nh, "mtp", 3, 8, "default", graphs=fp, async_sched=True,
-                 extra=tp),
         ]  # fmt: skip
     if name == "families" or name.startswith("families-"):
         return family_cells(name.removeprefix("families").lstrip("-") or "all")

@@ -799,6 +799,20 @@ FIXTURES: dict[str, dict] = {
 }
 
 
+def vllm_loads(kind: str, version: tuple[int, int, int] | None = None) -> bool:
+    """Whether the fork of the line the harness drives (``version``: the
+    installed vLLM's, ``harness.compat``) loads ``kind``'s checkpoint:
+    ``FIXTURES[kind]["vllm_loads"]``, a bool or a ``{"v0.33.0": bool}`` map
+    by line (an unlisted line: no)."""
+    value = FIXTURES[kind].get("vllm_loads", True)
+    if isinstance(value, bool):
+        return value
+    from . import compat
+
+    v = version or compat.vllm_version()
+    return bool(value.get("v{}.{}.{}".format(*v), False))
+
+
 def _family(arch: str, mixers: str, **kw) -> dict:
     return {
         "architecture": arch,
@@ -829,16 +843,18 @@ FAMILY_FIXTURES: dict[str, dict] = {
         mtp_architecture="Qwen3_5MoeMTP",
         engine_kwargs=dict(FIXTURES["qwen3_5"]["engine_kwargs"]),
     ),
-    # vLLM (v0.26.0 and v0.33.0) cannot load it: the fused conv1d's weight
-    # loader (olmo_gdn_linear_attn.py, _make_fused_conv1d_weight_loader)
+    # Upstream vLLM (v0.26.0 and v0.33.0) cannot load it: the fused conv1d's
+    # weight loader (olmo_gdn_linear_attn.py, _make_fused_conv1d_weight_loader)
     # indexes its sections by a shard id that AutoWeightsLoader never passes
     # (the WeightsMapper puts it on the tensor as ``.shard_id``), for the
-    # split q/k/v_conv1d of the published layout and the fused conv1d alike
+    # split q/k/v_conv1d of the published layout and the fused conv1d alike.
+    # The v0.33.0 fork reads it from the tensor (patch 0023); per line, the
+    # fork's (``vllm_loads``)
     "olmo_hybrid": _family(
         "OlmoHybridForCausalLM",
         "GDN + attention",
         engine_kwargs={"gdn_prefill_backend": "triton"},
-        vllm_loads=False,
+        vllm_loads={"v0.26.0": False, "v0.33.0": True},
     ),
 }
 FIXTURES.update(FAMILY_FIXTURES)
@@ -1068,12 +1084,34 @@ def checkpoint_tensors(model, kind: str, cfg_dict: dict) -> dict:
             name = name.replace(
                 ".feedforward_layer_norm.", ".post_attention_layernorm."
             )
+            if name.endswith(".linear_attn.conv1d.weight"):
+                out.update(split_olmo_conv(name, t, cfg_dict))
+                continue
         # clone: reverted experts may be views of one fused tensor
         out[name] = t.contiguous().clone()
     if cfg_dict.get("tie_word_embeddings"):
         # tied: the checkpoint has the embedding only (vLLM ties the head)
         out.pop("lm_head.weight", None)
     return out
+
+
+def split_olmo_conv(name: str, t, cfg: dict) -> dict:
+    """OLMo-hybrid's fused short-conv weight as the published checkpoints
+    (and vLLM's loader) hold it: ``q_conv1d``, ``k_conv1d``, ``v_conv1d``.
+    transformers holds the three fused in ``conv1d``; its save-time
+    conversion splits them again in 5.20, but not in the 5.x the GPU hosts
+    carry, whose checkpoints vLLM failed to load (a ``conv1d.weight`` with
+    no shard id)."""
+    key = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    value = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    if t.shape[0] != 2 * key + value:
+        raise ValueError(f"{name}: {tuple(t.shape)}, want {2 * key + value} rows")
+    prefix = name.removesuffix("conv1d.weight")
+    q, k, v = t.split([key, key, value], dim=0)
+    return {
+        f"{prefix}{p}_conv1d.weight": w.contiguous().clone()
+        for p, w in (("q", q), ("k", k), ("v", v))
+    }
 
 
 def build_model(

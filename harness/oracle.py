@@ -202,9 +202,22 @@ class Floor:
         the target (synthetic acceptance), emits tokens of -3 or -10 too,
         whose values carry the logits' noise as the top-k entries of the
         same size do. Entries larger than the token's do not count, so a
-        near-certain token is still held to the near-certain floor."""
+        near-certain token is still held to the near-certain floor.
+
+        Where the floor saw no entry between the near-certain ones and this
+        size, it takes the next larger size it saw: every entry that is not
+        the near-certain token moves with the log-sum-exp, whose rounding
+        that size measured. A trained fixture's distributions hold one
+        token near 0 and the rest below -16, so its floor has nothing in
+        between, while a candidate that accepted an unlikely token emits
+        tokens of -1 to -10 in the contexts that follow."""
         b = bucket(magnitude)
-        return max((v for k, v in self.by_mag.items() if k <= b), default=0.0)
+        out = max((v for k, v in self.by_mag.items() if k <= b), default=0.0)
+        if b > LOWEST and not any(LOWEST < k <= b for k in self.by_mag):
+            larger = [k for k in self.by_mag if k > b]
+            if larger:
+                out = max(out, self.by_mag[min(larger)])
+        return out
 
     def add(self, gen: Sequence[LP], forced: Sequence[LP], tokens: Sequence[int]):
         if _complete(gen, forced, tokens):
@@ -226,11 +239,14 @@ class Floor:
             self._add([PositionDrift(0.0, top, changed, 0.0, mag)])
 
 
+LOWEST = -4  # the bucket of the near-certain entries (up to 1/16)
+
+
 def bucket(magnitude: float) -> int:
-    """``ceil(log2(magnitude))``, at least -4: entries of up to 1/16, then
-    one bucket per power of two."""
-    if not (magnitude > 2.0**-4):
-        return -4
+    """``ceil(log2(magnitude))``, at least ``LOWEST``: entries of up to
+    1/16, then one bucket per power of two."""
+    if not (magnitude > 2.0**LOWEST):
+        return LOWEST
     return math.ceil(math.log2(magnitude)) if math.isfinite(magnitude) else 64
 
 

@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     import tempfile
     import traceback
 
-    from .models import FIXTURES
+    from .models import FIXTURES, vllm_loads
 
     results = []
     out = Path(a.out)
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     path = out / f"reference-{a.dtype}.json"
     with tempfile.TemporaryDirectory(prefix="hsfork-ref-") as tmp:
         for kind in a.kinds.split(","):
-            if not FIXTURES.get(kind, {}).get("vllm_loads", True):
+            if kind in FIXTURES and not vllm_loads(kind):
                 # no vLLM logprobs to check (harness.models says why)
                 r = {"kind": kind, "ok": None, "skipped": "vLLM cannot load it"}
                 results.append(r)

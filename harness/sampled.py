@@ -143,14 +143,14 @@ SAMPLED_PARTS = {
 def speculating_families() -> tuple[str, ...]:
     """The other hybrid families (harness.models.FAMILY_KINDS) with a
     speculative path on some line (harness.models.FAMILY_SPEC) that vLLM
-    loads: Jamba and Mamba are refused, OLMo-hybrid does not load."""
-    from .models import FAMILY_KINDS, FAMILY_SPEC, FIXTURES
+    loads: Jamba and Mamba are refused, OLMo-hybrid loads on the v0.33.0
+    fork only (``harness.models.vllm_loads``)."""
+    from .models import FAMILY_KINDS, FAMILY_SPEC, vllm_loads
 
     return tuple(
         k
         for k in FAMILY_KINDS
-        if any(v is True for v in FAMILY_SPEC[k].values())
-        and FIXTURES[k].get("vllm_loads", True)
+        if any(v is True for v in FAMILY_SPEC[k].values()) and vllm_loads(k)
     )
 
 

@@ -156,8 +156,9 @@ async def rescore(url, model, rows, ref_res, cand_res, margin, deadline) -> dict
     """Judge every differing request token by token: the reference server
     scores prompt + candidate tokens teacher-forced; sets ``ties``,
     ``divergences`` and ``status`` (tie | diverged) in the rows. It also
-    scores the reference's own answers (the differing ones and up to
-    ``NOISE_SAMPLE`` matching ones) to measure the noise (``gap_noise``);
+    scores up to ``NOISE_SAMPLE`` of the reference's own answers (the
+    differing ones first, then matching ones) to measure the noise
+    (``gap_noise``);
     the margin judged with is ``max(margin, 2 * noise)``, returned with the
     noise and how many answers it was measured on."""
     import aiohttp
@@ -180,8 +181,13 @@ async def rescore(url, model, rows, ref_res, cand_res, margin, deadline) -> dict
         seen.add(key)
         return fresh
 
+    # at most NOISE_SAMPLE answers, the differing ones' first: a soak's long
+    # answers differ by the hundred (near-ties past the end of text), and
+    # teacher-forcing each reference too doubled the requests that had to
+    # finish before the deadline
     noisy = [r for r in todo if scorable(r, ref_res) and new_answer(r)]
-    noisy += [r for r in same if new_answer(r)][:NOISE_SAMPLE]
+    noisy += [r for r in same if new_answer(r)]
+    noisy = noisy[:NOISE_SAMPLE]
 
     async def forced(session, row, tokens) -> tuple[list, str | None]:
         prompt = list(ref_res[row["idx_pos"]]["prompt_token_ids"])
@@ -231,9 +237,14 @@ async def rescore(url, model, rows, ref_res, cand_res, margin, deadline) -> dict
     noise, gaps = [], []
     if todo or noisy:
         async with aiohttp.ClientSession() as session:
-            noise, gaps = await asyncio.gather(
-                asyncio.gather(*(noise_of(session, r) for r in noisy)),
+            # the candidates' rows first: the verdict needs each of them,
+            # the noise only a sample. The session holds 100 connections
+            # and queues the rest; a request still queued at the deadline
+            # fails, and hundreds of long noise answers queued ahead once
+            # left differing rows unscored
+            gaps, noise = await asyncio.gather(
                 asyncio.gather(*(cand_gaps(session, r) for r in todo)),
+                asyncio.gather(*(noise_of(session, r) for r in noisy)),
             )
     measured = [n for n in noise if n is not None]
     worst = max(measured, default=0.0)

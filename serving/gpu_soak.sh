@@ -38,7 +38,14 @@
 # budget, is what runs out. Its
 # requests also have to grow once admitted: a fast-apply answer ends
 # within one 208-token block, so every tenth asks for SOAK_LONG_TOKENS
-# (1024) tokens with ignore_eos (serving.soak --long-tokens).
+# tokens with ignore_eos (serving.soak --long-tokens). With 1,024 the
+# candidate ran 4-5 requests with 73-92 % of the pool in use and still
+# never preempted: the scheduler admits a request only when its prompt
+# fits beside the blocks in-flight prefills hold, and the 7-8 blocks left
+# outlasted what the running answers grew by (about 5 blocks for a long
+# one) before one of them finished. 3,072 tokens (the prompts are 57-228
+# tokens, max_model_len 4,096) grow a long answer by about 15 blocks, so
+# two long answers running together outgrow what is left.
 # A call can try several pools side by side (RUN@BYTES, below).
 # The runs share the GPU: correctness checks only, no timing is judged.
 #
@@ -68,7 +75,7 @@
 #
 # Environment: SOAK_CLIENTS (256), SOAK_DURATION (300), SOAK_FAULT_REQUESTS
 # (3000), SOAK_KV_NGRAM (1.2e8), SOAK_NGRAM_BUDGET (1024), SOAK_KV_MTP
-# (2.5e7), SOAK_MAX_SEQS (64), SOAK_LONG_TOKENS (1024; 0: no long requests),
+# (2.5e7), SOAK_MAX_SEQS (64), SOAK_LONG_TOKENS (3072; 0: no long requests),
 # SOAK_DEADLINE (540: the
 # load stops 120 s before it, then the checks),
 # SOAK_RUNS ("soak-ngram soak-mtp fault-mtp"), SOAK_STAGGER (1: each run
@@ -89,7 +96,7 @@ KV_NGRAM=${SOAK_KV_NGRAM:-1.2e8}
 NGRAM_BUDGET=${SOAK_NGRAM_BUDGET:-1024}
 KV_MTP=${SOAK_KV_MTP:-2.5e7}
 SEQS=${SOAK_MAX_SEQS:-64}
-LONG=${SOAK_LONG_TOKENS:-1024}
+LONG=${SOAK_LONG_TOKENS:-3072}
 DEADLINE=${SOAK_DEADLINE:-540}
 RUNS=${SOAK_RUNS:-soak-ngram soak-mtp fault-mtp}
 ENVF=${SOAK_BUNDLE_ENV:-/tmp/hybridspec/env.sh}

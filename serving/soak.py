@@ -520,7 +520,7 @@ def judge_restart(fault, greedy, items, ref_res, a, ref_url, deadline):
         row["idx_pos"] = pos
         row["feature"] = items[pos_of[i]].feature
     judged = rescore_apart(ref_url, a.served_name, rows, refs, cands, a, deadline)
-    finalize(rows, judged["margin"])
+    finalize_apart(rows, judged)
     return rows + unjudged
 
 
@@ -541,6 +541,17 @@ def rescore_apart(url, model, rows, refs, cands, a, deadline) -> dict:
             rescore(url, model, long_rows, refs, cands, a.tie_margin, deadline)
         )
     return judged
+
+
+def finalize_apart(rows: list[dict], judged: dict) -> None:
+    """``serving.compare.finalize`` with the margin each row was measured
+    under by ``rescore_apart``: a long answer whose teacher-forced rescoring
+    did not come back is judged at its first difference with the long
+    answers' margin, not the plain answers'."""
+    long_rows = [r for r in rows if r["feature"] == "long"]
+    finalize([r for r in rows if r["feature"] != "long"], judged["margin"])
+    if long_rows:
+        finalize(long_rows, judged.get("long", judged)["margin"])
 
 
 def judge(rows: list[dict]) -> dict:
@@ -811,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
         # reference run's own top-k (a tie when the candidate's token is
         # within the measured margin of the reference's; later positions
         # have another context)
-        finalize(rows, judged["margin"])
+        finalize_apart(rows, judged)
         for r in rows:
             if r["feature"] == "regex" and r.get("judged"):
                 r["judged"] = "structured output: first difference"

@@ -27,6 +27,7 @@ from harness.models import (
     KINDS,
     build_model,
     main,
+    vllm_loads,
     write_dense_draft,
     write_eagle3_head,
     write_eagle_head,
@@ -279,12 +280,13 @@ def vllm_results(tmp_path_factory):
 
 def _vllm_spec_params():
     """``_vllm_specs`` as parameters; a fixture vLLM cannot load
-    (``FIXTURES[kind]["vllm_loads"]`` False: OLMo-hybrid, harness.models says
-    why) is a strict expected failure, so a vLLM that loads it shows."""
+    (``harness.models.vllm_loads`` False: OLMo-hybrid on v0.26.0,
+    harness.models says why) is a strict expected failure, so a vLLM that
+    loads it shows."""
     out = []
     for s in _vllm_specs():
         marks = []
-        if not FIXTURES[s[0]].get("vllm_loads", True):
+        if not vllm_loads(s[0]):
             marks = [pytest.mark.xfail(strict=True, reason="vLLM's loader fails")]
         out.append(pytest.param(s, id=f"{s[0]}-{s[1]}", marks=marks))
     return out
@@ -528,3 +530,39 @@ def test_moe_fixtures_do_not_swap_experts_under_bf16_noise(kind):
         lp32 = model.float()(input_ids=ids).logits.float().log_softmax(-1)
         lp16 = model.to(torch.bfloat16)(input_ids=ids).logits.float().log_softmax(-1)
     assert (lp32 - lp16).abs().max().item() < 1.0
+
+
+def test_olmo_hybrid_loads_on_the_lines_whose_fork_fixes_its_loader():
+    """``vllm_loads`` by line: the v0.33.0 fork reads the conv shard id from
+    the tensor (patch 0023), v0.26.0 and lines not listed do not."""
+    assert vllm_loads("olmo_hybrid", (0, 33, 0))
+    assert not vllm_loads("olmo_hybrid", (0, 26, 0))
+    assert not vllm_loads("olmo_hybrid", (0, 34, 0))
+    assert vllm_loads("qwen3_5", (0, 26, 0))
+
+
+def test_a_fused_olmo_conv_is_written_in_the_published_layout():
+    """A transformers that saves OLMo-hybrid's short convs fused (the GPU
+    hosts' 5.x) still gives the checkpoint vLLM's mapper loads: q, k and v
+    convs, split at the key and value sizes; a tensor of another size is
+    refused."""
+    import torch
+
+    from harness.models import olmo_hybrid_config, split_olmo_conv
+
+    cfg = olmo_hybrid_config()
+    key = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    value = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    fused = torch.randn(2 * key + value, 1, 4)
+    out = split_olmo_conv("model.layers.0.linear_attn.conv1d.weight", fused, cfg)
+    assert sorted(out) == [
+        f"model.layers.0.linear_attn.{p}_conv1d.weight" for p in "kqv"
+    ]
+    q = out["model.layers.0.linear_attn.q_conv1d.weight"]
+    v = out["model.layers.0.linear_attn.v_conv1d.weight"]
+    assert torch.equal(
+        torch.cat([q, out["model.layers.0.linear_attn.k_conv1d.weight"], v]), fused
+    )
+    assert v.shape[0] == value
+    with pytest.raises(ValueError, match="rows"):
+        split_olmo_conv("x.linear_attn.conv1d.weight", fused[:-1], cfg)

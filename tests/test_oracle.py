@@ -231,6 +231,23 @@ def test_an_unlikely_emitted_token_is_judged_by_the_floor_at_its_size():
     assert judged(0.5)["drift_violations"] > 0
 
 
+def test_a_size_the_floor_never_saw_takes_the_next_larger_one():
+    # A trained fixture's floor (from the sampled fast-apply cells): entries
+    # near 0 and at 16-32, nothing between. A token of -3 is judged by the
+    # 16 bucket (the log-sum-exp's rounding moves it as much); the
+    # near-certain ones stay at their own floor; where a smaller size was
+    # seen, a larger one is not borrowed.
+    f = oracle.Floor()
+    f.by_mag = {oracle.LOWEST: 1e-5, 4: 0.1875, 5: 0.1875}
+    assert f.at(0.01) == 1e-5
+    assert f.at(3.0) == 0.1875
+    assert f.at(20.0) == 0.1875
+    dense = oracle.Floor()
+    dense.by_mag = {oracle.LOWEST: 0.003, 1: 0.07, 3: 0.2}
+    assert dense.at(3.0) == 0.07
+    assert oracle.Floor().at(3.0) == 0.0
+
+
 def test_floor_is_not_below_dtype_precision():
     floor = oracle.Floor(token=0.0, topk=0.0, positions=1000)
     d = oracle.CellDrift()

@@ -308,7 +308,7 @@ def test_gpu_soak_script_runs_pool_sizes_side_by_side(tmp_path):
         # the n-gram candidate's step budget (SOAK_NGRAM_BUDGET) and long
         # answers (SOAK_LONG_TOKENS), so that its pool runs out
         assert "cand=--max-num-batched-tokens=1024" in cfg["server_args"]
-        assert cfg["long_tokens"] == 1024
+        assert cfg["long_tokens"] == 3072
         ports.add(cfg["port"])
     assert len(ports) == 2
 
@@ -363,3 +363,81 @@ def test_long_answers_are_rescored_apart(monkeypatch):
     calls.clear()
     assert "long" not in soak.rescore_apart("u", "m", rows[:2], [], [], a, 0.0)
     assert calls == [["plain"]]
+
+
+def test_unscored_long_answers_are_judged_with_the_long_margin():
+    """A long answer whose teacher-forced rescoring failed (a timeout) is
+    judged at its first difference with the long answers' measured margin;
+    a plain one with the plain margin."""
+    rows = [
+        {"feature": f, "status": "differs", "first": {"gap": g, "tie": False}}
+        for f, g in (("long", 1.5), ("plain", 1.5), ("long", 4.0), ("plain", 0.2))
+    ]
+    soak.finalize_apart(rows, {"margin": 0.5, "long": {"margin": 3.0}})
+    assert [r["status"] for r in rows] == ["tie", "diverged", "diverged", "tie"]
+    assert all(r["judged"] == "first-difference" for r in rows)
+
+
+def test_rescoring_sends_the_candidates_first_and_caps_the_noise_sample(
+    monkeypatch,
+):
+    """``serving.compare.rescore`` teacher-forces every differing candidate
+    answer, those requests first (the verdict needs each of them), and at
+    most NOISE_SAMPLE reference answers for the noise, differing ones first:
+    a soak's hundreds of long answers once left differing rows unscored at
+    the deadline."""
+    import asyncio
+    import time
+
+    import aiohttp
+
+    from serving import compare
+
+    sent = []
+
+    class Response:
+        status = 200
+
+        def __init__(self, body):
+            self.body = body
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+        async def json(self):
+            n = len(self.body["prompt"])
+            plp = [None] + [{str(t): {"logprob": 0.0}} for t in self.body["prompt"][1:]]
+            assert len(plp) == n
+            return {"choices": [{"prompt_logprobs": plp}]}
+
+    class Session:
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+        def post(self, url, json, timeout):
+            sent.append(tuple(json["prompt"]))
+            return Response(json)
+
+    monkeypatch.setattr(aiohttp, "ClientSession", Session)
+    monkeypatch.setattr(compare, "NOISE_SAMPLE", 4)
+    n = 10
+    ref = [
+        {"prompt_token_ids": [1, i], "token_ids": [7, 7], "top": []} for i in range(n)
+    ]
+    cand = [
+        {"prompt_token_ids": [1, i], "token_ids": [8, 8], "top": []} for i in range(n)
+    ]
+    rows = [{"idx_pos": i, "status": "differs" if i < 6 else "match"} for i in range(n)]
+    judged = asyncio.run(
+        compare.rescore("u", "m", rows, ref, cand, 0.05, time.time() + 60)
+    )
+    cand_prompts = {(1, i, 8, 8) for i in range(6)}
+    assert set(sent[:6]) == cand_prompts  # every candidate, first
+    assert len(sent) == 6 + 4 and judged["measured_on"] == 4
+    assert set(sent[6:]) == {(1, i, 7, 7) for i in range(4)}  # differing first
