@@ -26,7 +26,7 @@ import random
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import compat, oracle, sampled
@@ -43,6 +43,9 @@ FASTAPPLY = "fastapply"
 # attention-only draft model; eagle3: an EAGLE-3 head)
 DRAFTER_DIR = "<written beside the cell's model>"
 FASTAPPLY_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "fastapply"
+# the Qwen3.5 fixture with the published models' GDN head size, 128
+# (harness.models.qwen3_5_config): FlashInfer's GDN prefill takes no other
+QWEN3_5_D128 = "qwen3_5_d128"
 FP8 = "fp8"  # Cell.dtype of a block-FP8 checkpoint (harness.fp8)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -253,7 +256,7 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
 
     # per-architecture settings (Qwen3.5: text only; Kimi-Linear: an MLA
     # attention backend); the fast-apply fixture is a Qwen3.5
-    kind = "qwen3_5" if cell.model == FASTAPPLY else cell.model
+    kind = "qwen3_5" if cell.model in (FASTAPPLY, QWEN3_5_D128) else cell.model
     kw.update(FIXTURES[kind]["engine_kwargs"])
     if cell.graphs != "eager":
         kw["compilation_config"] = {"cudagraph_mode": cell.graphs.upper()}
@@ -293,6 +296,19 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
     return kw
 
 
+def model_folder(model: str, workdir: Path, seed: int) -> Path:
+    """The checkpoint of a cell's ``model``: the committed fast-apply
+    fixture, or a generated fixture written into ``workdir``."""
+    from .models import write_model
+
+    if model == FASTAPPLY:
+        return FASTAPPLY_DIR
+    if model == QWEN3_5_D128:
+        out = workdir / f"model-{model}"
+        return write_model("qwen3_5", out, seed=seed, linear_head_dim=128)
+    return write_model(model, workdir / f"model-{model}", seed=seed)
+
+
 def drafter_dir(model_dir: str, drafter: str) -> str:
     """Where the drafter of a draft_model(:dense), eagle or eagle3 cell is
     written:
@@ -324,7 +340,10 @@ def write_drafter(cell: Cell, model_dir: str, seed: int) -> None:
     if out.exists():
         return
     if cell.drafter == "draft_model":
-        write_model(cell.model, out, seed=seed, mtp=False)
+        kind, dims = cell.model, {}
+        if kind == QWEN3_5_D128:
+            kind, dims = "qwen3_5", {"linear_head_dim": 128}
+        write_model(kind, out, seed=seed, mtp=False, **dims)
     elif cell.drafter == "draft_model:dense":
         write_dense_draft(model_dir, out, seed=seed)
     elif cell.drafter in ("eagle", "eagle3"):
@@ -592,8 +611,38 @@ def prompt_lps(outs) -> list[tuple[list[int], list]]:
     ]
 
 
+# the prompt-logprob floor of chunked candidates: the reference's prompts
+# prefilled without speculation in chunks of this many tokens (the
+# fuzzer's smallest budget, harness.fuzz.BUDGETS)
+PLP_CHUNK = 16
+
+
+def plp_chunk_cell(ref_cell: Cell) -> Cell:
+    """``ref_cell`` (a non-speculative reference) with chunked prefill at a
+    budget of ``PLP_CHUNK`` tokens (vLLM takes no budget below
+    ``max_num_seqs``)."""
+    budget = max(PLP_CHUNK, ref_cell.batch)
+    extra = {**ref_cell.extra, "enable_chunked_prefill": True,
+             "max_num_batched_tokens": budget}  # fmt: skip
+    return replace(ref_cell, chunked=True, extra=extra)
+
+
+def chunked_prefill(row: dict) -> bool:
+    """Whether a cell (its report row: ``Cell.key``) prefills in chunks: the
+    slice's chunked cells and the fuzzer's configurations with a budget."""
+    engine = row.get("engine") or {}
+    return bool(row.get("chunked")) or bool(
+        engine.get("enable_chunked_prefill") and engine.get("max_num_batched_tokens")
+    )
+
+
 def judge_prompt_lps(
-    cand, ref, floor_run, dtype: str, path_floor: oracle.Floor | None = None
+    cand,
+    ref,
+    floor_run,
+    dtype: str,
+    path_floor: oracle.Floor | None = None,
+    chunk_run=None,
 ) -> dict:
     """The drift oracle on prompt logprobs: the candidate's against the
     reference's, position by position, within the noise between the
@@ -606,6 +655,14 @@ def judge_prompt_lps(
     the token budget, so its prompts are chunked elsewhere), so that floor
     alone would call that engine's rounding a drift.
 
+    ``chunk_run``, for a candidate that prefills in chunks: the reference's
+    prompts prefilled without speculation in small chunks (``PLP_CHUNK``).
+    A prompt's logprobs then come from chunk-by-chunk recurrent-state and
+    attention kernels, whose rounding differs from one prefill's by more
+    than any other floor holds (a chunked fast-apply candidate's prompt
+    logprobs moved by up to 0.7 nats while its generated tokens matched to
+    1e-5); the chunked run's difference from the reference is that floor.
+
     A prompt that is not the reference's (a later turn that continues an
     answer which went the other way at a tie) is compared up to its first
     other token: prompt logprobs there condition on the same prefix.
@@ -614,6 +671,9 @@ def judge_prompt_lps(
     floor = oracle.Floor()
     for (toks, r), (_, f) in zip(ref, floor_run, strict=True):
         floor.add(r, f, toks)
+    for (toks, r), (ctoks, c) in zip(ref, chunk_run or [], strict=False):
+        if ctoks == toks:
+            floor.add(r, c, toks)
     if path_floor is not None:
         floor.token = max(floor.token, path_floor.token)
         floor.topk = max(floor.topk, path_floor.topk)
@@ -710,7 +770,6 @@ def run_cells(
     With ``deadline_s``, no new cell starts once that many seconds have
     passed; the cells run so far are verified and reported, the rest are
     listed as skipped on stdout (a slice then always fits a call's limit)."""
-    from .models import write_model
 
     start = time.time()
     rows: list[dict] = []
@@ -738,15 +797,7 @@ def run_cells(
         rows.append(row)
         try:
             if cell.model not in models:
-                models[cell.model] = (
-                    str(FASTAPPLY_DIR)
-                    if cell.model == FASTAPPLY
-                    else str(
-                        write_model(
-                            cell.model, workdir / f"model-{cell.model}", seed=seed
-                        )
-                    )
-                )
+                models[cell.model] = str(model_folder(cell.model, workdir, seed))
             model_dir = models[cell.model]
             if cell.dtype == FP8:
                 key = f"{cell.model}:{FP8}"
@@ -801,7 +852,16 @@ def run_cells(
                     [list(o.outputs[0].token_ids) for o in fouts],
                 )
                 if cell.request == "plp":
-                    ref_plps[rkey] = (prompt_lps(outs), prompt_lps(fouts))
+                    # the same prompts prefilled in chunks of PLP_CHUNK tokens,
+                    # without speculation: the prompt-logprob floor of a
+                    # chunked candidate (judge_prompt_lps)
+                    couts, _ = generate(plp_chunk_cell(ref_cell), model_dir,
+                                        waves, oracle.TOPK)  # fmt: skip
+                    ref_plps[rkey] = (
+                        prompt_lps(outs),
+                        prompt_lps(fouts),
+                        prompt_lps(couts),
+                    )
             _, ref_tokens, waves = refs[rkey]
             prompts = flat_prompts(waves, cell.request)
             log = None
@@ -924,8 +984,14 @@ def run_cells(
             if row["drift_violations"] and oracle.enforced():
                 row["status"] = "diverged"
             if rkey in ref_plps and id(row) in cand_plps:
+                ref_run, floor_run, chunk_run = ref_plps[rkey]
                 judged = judge_prompt_lps(
-                    cand_plps[id(row)], *ref_plps[rkey], dtype, path_floor=floor
+                    cand_plps[id(row)],
+                    ref_run,
+                    floor_run,
+                    dtype,
+                    path_floor=floor,
+                    chunk_run=chunk_run if chunked_prefill(row) else None,
                 )
                 row.update(judged)
                 if judged["prompt_drift_violations"] and oracle.enforced():
@@ -1223,14 +1289,17 @@ def slice_cells(name: str) -> list[Cell]:
         # prefill (in align mode it also hands out the mid-prefill states
         # that prefix caching keeps, a path of its own), FA3 or FlashInfer
         # attention; n-gram k=64, GPU n-gram, MTP; both runners; the
-        # reference runs the same kernels without speculation
-        # FlashInfer's GDN prefill (its CuTe DSL kernel) takes head size 128
-        # only and fails at the first prefill on the fixtures' 64 ("DSL
-        # kernel only supports D=128"): these cells keep the Triton GDN
-        # prefill until a fixture of that head size exists
-        fa, fp = FASTAPPLY, "full_and_piecewise"
+        # reference runs the same kernels without speculation. FlashInfer's
+        # GDN prefill (its CuTe DSL kernel) takes head size 128 only ("DSL
+        # kernel only supports D=128" at the first prefill of the fixtures'
+        # 64): its cells run the Qwen3.5 fixture with GDN heads of 128
+        # (QWEN3_5_D128), the fast-apply and Qwen3-Next cells FlashInfer or
+        # FA3 attention over the Triton GDN prefill
+        fa, fp, q = FASTAPPLY, "full_and_piecewise", QWEN3_5_D128
         fi = {"gdn_prefill_backend": "triton", "attention_backend": "FLASHINFER"}
         fa3 = {"gdn_prefill_backend": "triton", "attention_backend": "FLASH_ATTN"}
+        gdn = {"gdn_prefill_backend": "flashinfer", "attention_backend": "FLASHINFER"}
+        gdn3 = {"gdn_prefill_backend": "flashinfer", "attention_backend": "FLASH_ATTN"}
         return [
             Cell(fa, "ngram", 64, 8, "v1", max_tokens=128, extra=fi),
             Cell(fa, "ngram", 64, 16, "v1", "align", chunked=True,
@@ -1241,8 +1310,12 @@ def slice_cells(name: str) -> list[Cell]:
             Cell(fa, "mtp", 3, 16, "default", "align", fp, async_sched=True,
                  chunked=True, max_tokens=128, extra=fa3),
             Cell(fa, "mtp", 3, 8, "mrv2", "align", max_tokens=128, extra=fi),
-            Cell("qwen3_5", "mtp", 3, 8, "default", "align", fp,
-                 async_sched=True, extra=fa3),
+            Cell(q, "mtp", 3, 8, "default", "align", fp, async_sched=True,
+                 extra=gdn3),
+            Cell(q, "mtp", 3, 8, "v1", extra=gdn),
+            Cell(q, "ngram", 5, 8, "v1", "align", chunked=True, extra=gdn),
+            Cell(q, "scripted:heterogeneous", 4, 8, "v1", extra=gdn),
+            Cell(q, "ngram", 5, 8, "default", "none", fp, extra=gdn3),
             Cell("qwen3_next", "mtp", 3, 8, "v1", "align", extra=fa3),
         ]  # fmt: skip
     if name == "fuzz-regressions":

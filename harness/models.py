@@ -48,7 +48,7 @@ IMAGE_ID, VIDEO_ID, VISION_START_ID, VISION_END_ID = (
 FIRST_SPECIAL_ID = IMAGE_ID
 
 
-def _qwen3_5_text(vocab: int, mtp_layers: int) -> dict:
+def _qwen3_5_text(vocab: int, mtp_layers: int, linear_head_dim: int = 64) -> dict:
     return {
         "model_type": "qwen3_5_text",
         "vocab_size": vocab,
@@ -67,8 +67,8 @@ def _qwen3_5_text(vocab: int, mtp_layers: int) -> dict:
         "full_attention_interval": 4,
         "layer_types": ["linear_attention"] * 3 + ["full_attention"],
         "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 64,
-        "linear_value_head_dim": 64,
+        "linear_key_head_dim": linear_head_dim,
+        "linear_value_head_dim": linear_head_dim,
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 4,
         "mtp_num_hidden_layers": mtp_layers,
@@ -86,8 +86,13 @@ def _qwen3_5_text(vocab: int, mtp_layers: int) -> dict:
     }
 
 
-def qwen3_5_config(vocab: int = VOCAB, mtp_layers: int = 1) -> dict:
-    text = _qwen3_5_text(vocab, mtp_layers)
+def qwen3_5_config(
+    vocab: int = VOCAB, mtp_layers: int = 1, linear_head_dim: int = 64
+) -> dict:
+    """Qwen3.5: three GDN layers and one gated attention layer, a small
+    vision tower. ``linear_head_dim``: the GDN key and value head size (the
+    published models' is 128; FlashInfer's GDN prefill takes no other)."""
+    text = _qwen3_5_text(vocab, mtp_layers, linear_head_dim)
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5",
@@ -848,13 +853,14 @@ FAMILY_FIXTURES: dict[str, dict] = {
     # indexes its sections by a shard id that AutoWeightsLoader never passes
     # (the WeightsMapper puts it on the tensor as ``.shard_id``), for the
     # split q/k/v_conv1d of the published layout and the fused conv1d alike.
-    # The v0.33.0 fork reads it from the tensor (patch 0023); per line, the
-    # fork's (``vllm_loads``)
+    # The forks read it from the tensor (v0.26.0 patch 0031, v0.33.0 patch
+    # 0023); per line, the fork's (``vllm_loads``: a line not listed has no
+    # such patch)
     "olmo_hybrid": _family(
         "OlmoHybridForCausalLM",
         "GDN + attention",
         engine_kwargs={"gdn_prefill_backend": "triton"},
-        vllm_loads={"v0.26.0": False, "v0.33.0": True},
+        vllm_loads={"v0.26.0": True, "v0.33.0": True},
     ),
 }
 FIXTURES.update(FAMILY_FIXTURES)
@@ -989,12 +995,14 @@ def _nemotron_h_mtp_tensors(tensors: dict, cfg: dict, seed: int) -> dict:
     return out
 
 
-def _hf_model(kind: str, vocab: int, mtp: bool):
+def _hf_model(kind: str, vocab: int, mtp: bool, linear_head_dim: int = 64):
     """``(config dict, transformers model)`` of ``kind``."""
+    if linear_head_dim != 64 and kind != "qwen3_5":
+        raise ValueError(f"linear_head_dim is a Qwen3.5 setting, not {kind}'s")
     if kind == "qwen3_5":
         from transformers import Qwen3_5ForConditionalGeneration
 
-        cfg_dict = qwen3_5_config(vocab, mtp_layers=1 if mtp else 0)
+        cfg_dict = qwen3_5_config(vocab, 1 if mtp else 0, linear_head_dim)
         return cfg_dict, Qwen3_5ForConditionalGeneration(qwen3_5_hf_config(cfg_dict))
     if kind == "nemotron_h":
         from transformers import NemotronHConfig, NemotronHForCausalLM
@@ -1120,6 +1128,7 @@ def build_model(
     vocab: int = VOCAB,
     lm_head_std: float = 0.25,
     mtp: bool = True,
+    linear_head_dim: int = 64,
 ):
     """``(config dict, transformers model)``: the fixture ``write_model``
     saves (its weights before ``checkpoint_tensors``; MTP weights are not
@@ -1129,7 +1138,9 @@ def build_model(
     if kind not in FIXTURES:
         raise ValueError(f"unknown model kind {kind!r}")
     torch.manual_seed(seed)
-    cfg_dict, model = _hf_model(kind, vocab, mtp and FIXTURES[kind]["mtp"])
+    cfg_dict, model = _hf_model(
+        kind, vocab, mtp and FIXTURES[kind]["mtp"], linear_head_dim
+    )
     model = model.float().eval()
     _shape_weights(model, kind, lm_head_std, seed)
     return cfg_dict, model
@@ -1142,14 +1153,16 @@ def write_model(
     vocab: int = VOCAB,
     lm_head_std: float = 0.25,
     mtp: bool = True,
+    linear_head_dim: int = 64,
 ) -> Path:
     """Write config, safetensors weights and a tokenizer for ``kind`` (one
     of ``KINDS``) into ``out``. ``mtp`` adds MTP weights where the kind has
-    them (``FIXTURES[kind]["mtp"]``)."""
+    them (``FIXTURES[kind]["mtp"]``); ``linear_head_dim``: Qwen3.5's GDN
+    head size (``qwen3_5_config``)."""
     import torch
     from safetensors.torch import save_file
 
-    cfg_dict, model = build_model(kind, seed, vocab, lm_head_std, mtp)
+    cfg_dict, model = build_model(kind, seed, vocab, lm_head_std, mtp, linear_head_dim)
     mtp = mtp and FIXTURES[kind]["mtp"]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

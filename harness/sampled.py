@@ -143,8 +143,7 @@ SAMPLED_PARTS = {
 def speculating_families() -> tuple[str, ...]:
     """The other hybrid families (harness.models.FAMILY_KINDS) with a
     speculative path on some line (harness.models.FAMILY_SPEC) that vLLM
-    loads: Jamba and Mamba are refused, OLMo-hybrid loads on the v0.33.0
-    fork only (``harness.models.vllm_loads``)."""
+    loads (``harness.models.vllm_loads``): Jamba and Mamba are refused."""
     from .models import FAMILY_KINDS, FAMILY_SPEC, vllm_loads
 
     return tuple(

@@ -147,7 +147,7 @@ def fake_engines(monkeypatch, generate, forced=greedy_forced) -> None:
     monkeypatch.setattr(eq, "generate", generate)
     monkeypatch.setattr(eq, "teacher_forced", forced)
     monkeypatch.setattr(
-        "harness.models.write_model", lambda kind, out, seed=0: str(out)
+        "harness.models.write_model", lambda kind, out, seed=0, **kw: str(out)
     )
 
 

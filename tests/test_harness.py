@@ -699,12 +699,19 @@ def test_draft_length_slice_asks_for_the_acceptance_policy(line):
 
 
 def test_flashinfer_slice_asks_for_the_hopper_defaults(line):
-    """The flashinfer slice's cells override the Triton attention every
-    other cell forces: FA3 or FlashInfer attention, in none and align mode,
-    on both runners; the other engine arguments stay the harness's. The GDN
-    prefill stays Triton: FlashInfer's takes head size 128 only, the
-    fixtures' is 64."""
-    from harness.equivalence import FASTAPPLY, engine_kwargs, slice_cells, spec_config
+    """The flashinfer slice's cells override the Triton kernels every other
+    cell forces: FA3 or FlashInfer attention, in none and align mode, on
+    both runners, and FlashInfer's GDN prefill on the Qwen3.5 fixture with
+    GDN heads of 128 (the only size its kernel takes; the other fixtures'
+    is 64, so their cells keep the Triton GDN prefill); the other engine
+    arguments stay the harness's."""
+    from harness.equivalence import (
+        FASTAPPLY,
+        QWEN3_5_D128,
+        engine_kwargs,
+        slice_cells,
+        spec_config,
+    )
 
     cells = slice_cells("flashinfer")
     assert {c.cache_mode for c in cells} == {"none", "align"}
@@ -712,13 +719,40 @@ def test_flashinfer_slice_asks_for_the_hopper_defaults(line):
     assert {c.drafter for c in cells} >= {"ngram", "mtp"}
     for cell in cells:
         kw = engine_kwargs(cell, "/m", spec_config(cell))
-        assert kw["gdn_prefill_backend"] == "triton"
+        want = "flashinfer" if cell.model == QWEN3_5_D128 else "triton"
+        assert kw["gdn_prefill_backend"] == want
         assert kw["attention_backend"] in ("FLASHINFER", "FLASH_ATTN")
         assert kw["enable_prefix_caching"] is (cell.cache_mode == "align")
+        # the Qwen3.5 fixture's own engine arguments (text only)
+        assert (kw.get("language_model_only") is True) is (cell.model != "qwen3_next")
         # the cell key names the kernels: a report row says what ran
-        assert cell.key()["engine"]["attention_backend"] == kw["attention_backend"]
+        assert cell.key()["engine"]["gdn_prefill_backend"] == want
+    d128 = [c for c in cells if c.model == QWEN3_5_D128]
+    assert {c.runner for c in d128} >= {"v1", "default"}
+    assert {c.cache_mode for c in d128} == {"none", "align"}
     assert any(c.model == FASTAPPLY and c.cache_mode == "align" and c.chunked
                for c in cells)  # fmt: skip
+
+
+def test_the_d128_fixture_is_qwen3_5_with_gdn_heads_of_128(tmp_path):
+    """QWEN3_5_D128 cells write the Qwen3.5 fixture with GDN key and value
+    heads of 128, MTP weights included; the plain Qwen3.5 keeps 64."""
+    import json
+
+    from harness.equivalence import QWEN3_5_D128, model_folder
+
+    out = model_folder(QWEN3_5_D128, tmp_path, seed=0)
+    text = json.loads((Path(out) / "config.json").read_text())["text_config"]
+    assert text["linear_key_head_dim"] == text["linear_value_head_dim"] == 128
+    assert text["mtp_num_hidden_layers"] == 1
+    from safetensors import safe_open
+
+    with safe_open(str(Path(out) / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert any(n.startswith("mtp.") for n in names)
+    plain = model_folder("qwen3_5", tmp_path, seed=0)
+    text = json.loads((Path(plain) / "config.json").read_text())["text_config"]
+    assert text["linear_key_head_dim"] == 64
 
 
 def test_budget_probe_slice(line):
@@ -1283,6 +1317,61 @@ def test_prompt_logprobs_are_judged_against_the_reference(tmp_path, monkeypatch)
     assert rows[1]["prompt_drift_max"] == pytest.approx(1.0)
     assert rows[1]["status"] == "diverged"
     assert eq.request_kwargs(cells[0]) == {"prompt_logprobs": eq.oracle.TOPK}
+
+
+def test_a_chunked_candidates_prompt_logprobs_are_judged_by_a_chunked_prefill(
+    monkeypatch, tmp_path
+):
+    """A "plp" reference also prefills its prompts in chunks of PLP_CHUNK
+    tokens without speculation; a candidate that prefills in chunks (a
+    budget) is judged within that run's difference from the reference: its
+    chunked rounding (0.3 nats here) passes, a nat does not; an unchunked
+    candidate is still held to the plain floor."""
+    from types import SimpleNamespace
+
+    import harness.equivalence as eq
+
+    seen = []
+
+    def out(prompt, shift):
+        o = fake_output([10, 11, 12], True)
+        o.prompt_token_ids = list(prompt)
+        o.prompt_logprobs = [None] + [
+            {
+                t: SimpleNamespace(logprob=-1.0 + (shift if i == 3 else 0.0)),
+                t + 1: SimpleNamespace(logprob=-3.0),
+            }
+            for i, t in enumerate(prompt[1:])
+        ]
+        return o
+
+    def fake_generate(cell, model_dir, waves, logprobs, batches=None):
+        seen.append((cell.drafter, cell.extra.get("max_num_batched_tokens")))
+        budget = cell.extra.get("max_num_batched_tokens")
+        shift = 0.0
+        if budget:  # a chunked prefill rounds otherwise
+            shift = 0.3
+        if cell.drafter == "mtp":  # the bug
+            shift = 1.0
+        return [out(p, shift) for w in waves for p in w], {}
+
+    fake_engines(monkeypatch, fake_generate)
+    chunked = {"enable_chunked_prefill": True, "max_num_batched_tokens": 24}
+    cells = [
+        eq.Cell("qwen3_5", "ngram", 8, 2, request="plp", max_tokens=3, extra=chunked),
+        eq.Cell("qwen3_5", "mtp", 3, 2, request="plp", max_tokens=3, extra=chunked),
+        eq.Cell("qwen3_5", "scripted:all_zero", 4, 2, request="plp", max_tokens=3,
+                extra={"max_num_batched_tokens": 24}),
+    ]  # fmt: skip
+    rows = eq.run_cells(cells, tmp_path, n_prompts=2, seed=0)
+    # the reference's chunked run: no drafter, the smallest budget
+    assert ("none", eq.PLP_CHUNK) in seen
+    assert rows[0]["prompt_drift_violations"] == 0 and rows[0]["status"] == "ok"
+    assert rows[1]["prompt_drift_violations"] == 2 and rows[1]["status"] == "diverged"
+    # a budget without chunked prefill: judged by the plain floor
+    assert not eq.chunked_prefill(rows[2])
+    assert rows[2]["prompt_drift_violations"] == 2
+    assert eq.chunked_prefill({"chunked": True})
 
 
 def test_prompt_logprob_floor_and_prompts_that_went_another_way():

@@ -229,7 +229,21 @@ def _vllm_specs():
     specs.append(("qwen3_5", EAGLE3, "bfloat16"))
     specs.append(("qwen3_5", EAGLE, "bfloat16"))
     specs.append(("qwen3_5", DENSE_DRAFT, "bfloat16"))
+    # Qwen3.5 with GDN heads of 128 (the flashinfer slice's QWEN3_5_D128)
+    q = FIXTURES["qwen3_5"]
+    specs.append((D128, q["architecture"], q["dtype"]))
+    specs.append((D128, q["mtp_architecture"], q["dtype"]))
     return specs
+
+
+D128 = "qwen3_5_d128"
+
+
+def _write_fixture(kind: str, path: Path) -> None:
+    if kind == D128:
+        write_model("qwen3_5", path, linear_head_dim=128)
+    else:
+        write_model(kind, path)
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +256,7 @@ def vllm_results(tmp_path_factory):
     for kind, arch, dtype in _vllm_specs():
         path = tmp_dir / kind
         if not path.exists():
-            write_model(kind, path)
+            _write_fixture(kind, path)
         if arch in (EAGLE3, EAGLE):
             write = write_eagle3_head if arch == EAGLE3 else write_eagle_head
             head = write(path, tmp_dir / f"{kind}-{arch}")
@@ -280,13 +294,13 @@ def vllm_results(tmp_path_factory):
 
 def _vllm_spec_params():
     """``_vllm_specs`` as parameters; a fixture vLLM cannot load
-    (``harness.models.vllm_loads`` False: OLMo-hybrid on v0.26.0,
-    harness.models says why) is a strict expected failure, so a vLLM that
-    loads it shows."""
+    (``harness.models.vllm_loads`` False; none today: OLMo-hybrid loads on
+    both forks, harness.models says why) is a strict expected failure, so a
+    vLLM that loads it shows."""
     out = []
     for s in _vllm_specs():
         marks = []
-        if not vllm_loads(s[0]):
+        if not vllm_loads("qwen3_5" if s[0] == D128 else s[0]):
             marks = [pytest.mark.xfail(strict=True, reason="vLLM's loader fails")]
         out.append(pytest.param(s, id=f"{s[0]}-{s[1]}", marks=marks))
     return out
@@ -533,10 +547,11 @@ def test_moe_fixtures_do_not_swap_experts_under_bf16_noise(kind):
 
 
 def test_olmo_hybrid_loads_on_the_lines_whose_fork_fixes_its_loader():
-    """``vllm_loads`` by line: the v0.33.0 fork reads the conv shard id from
-    the tensor (patch 0023), v0.26.0 and lines not listed do not."""
+    """``vllm_loads`` by line: the forks read the conv shard id from the
+    tensor (v0.26.0 patch 0031, v0.33.0 patch 0023); a line not listed (a
+    new base, before its fork carries the fix) does not."""
     assert vllm_loads("olmo_hybrid", (0, 33, 0))
-    assert not vllm_loads("olmo_hybrid", (0, 26, 0))
+    assert vllm_loads("olmo_hybrid", (0, 26, 0))
     assert not vllm_loads("olmo_hybrid", (0, 34, 0))
     assert vllm_loads("qwen3_5", (0, 26, 0))
 

@@ -199,6 +199,7 @@ def test_sampled_cells_cover_every_speculating_family():
     speculating = set(sampled.speculating_families())
     assert speculating == {
         "falcon_h1", "zamba2", "mamba2", "lfm2", "lfm2_moe", "qwen3_5_moe",
+        "olmo_hybrid",
     }  # fmt: skip
     assert fams == matrix | {eq.FASTAPPLY} | speculating
     methods = {sampled.preset(c.sampling).method for c in cells}
