@@ -486,6 +486,9 @@ ROW_KEEP = (
     "traceback",  # the engine error's last frames: what a failure is triaged by
     "drift_violations",
     "first_drift",
+    "drift_worst_at",
+    "drift_topk_max",
+    "drift_topk_threshold",
     # the prompt-logprob oracle of "plp" requests: what flagged such a
     # configuration, and by how much
     "prompt_drift_max",
@@ -496,6 +499,7 @@ ROW_KEEP = (
     "prompt_drift_floor",
     "prompt_differs",
     "prompt_first_drift",
+    "prompt_drift_worst_at",
 )
 
 

@@ -205,18 +205,23 @@ class Floor:
         near-certain token is still held to the near-certain floor.
 
         Where the floor saw no entry between the near-certain ones and this
-        size, it takes the next larger size it saw: every entry that is not
-        the near-certain token moves with the log-sum-exp, whose rounding
-        that size measured. A trained fixture's distributions hold one
-        token near 0 and the rest below -16, so its floor has nothing in
-        between, while a candidate that accepted an unlikely token emits
-        tokens of -1 to -10 in the contexts that follow."""
+        size, it takes the next larger size it saw, scaled by ``1 - p``
+        (``p = exp(-magnitude)``, the token's probability): a token's
+        log-probability moves by its own logit's rounding less the
+        probability-weighted rounding of all logits (the log-sum-exp), so
+        one far from certain moves as much as the floor's larger entries,
+        one of probability ``p`` about ``1 - p`` of that. A trained
+        fixture's distributions hold one token near 0 and the rest below
+        -16, so its floor has nothing in between, while a candidate that
+        accepted an unlikely token emits tokens of -1 to -10 in the
+        contexts that follow."""
         b = bucket(magnitude)
         out = max((v for k, v in self.by_mag.items() if k <= b), default=0.0)
         if b > LOWEST and not any(LOWEST < k <= b for k in self.by_mag):
             larger = [k for k in self.by_mag if k > b]
             if larger:
-                out = max(out, self.by_mag[min(larger)])
+                scale = -math.expm1(-magnitude)  # 1 - p
+                out = max(out, self.by_mag[min(larger)] * scale)
         return out
 
     def add(self, gen: Sequence[LP], forced: Sequence[LP], tokens: Sequence[int]):
@@ -332,7 +337,8 @@ class CellDrift:
         worst_tok = max((d.token for *_, d in self.drifts), default=0.0)
         worst_top = max((d.topk for *_, d in self.drifts), default=0.0)
         violations = 0
-        first = None
+        first = worst = None
+        worst_ratio = -1.0
         for prompt, pos, tok, d in self.drifts:
             lim_tok = max(
                 thr_tok,
@@ -340,16 +346,24 @@ class CellDrift:
                 threshold(floor.at(d.token_mag), dtype, c),
             )
             lim_top = max(thr_top, allowance(floor.topk, dtype, d.topk_mag))
+            ratio = max(d.token / max(lim_tok, 1e-30), d.topk / max(lim_top, 1e-30))
+            where = {
+                "prompt": prompt,
+                "position": pos,
+                "token": tok,
+                "drift": _r(d.token),
+                "topk_drift": _r(d.topk),
+                # the emitted token's log-probability size and its bar
+                "magnitude": _r(d.token_mag),
+                "limit": _r(lim_tok),
+                "topk_limit": _r(lim_top),
+            }
+            if ratio > worst_ratio:
+                worst_ratio, worst = ratio, where
             if d.token > lim_tok or d.topk > lim_top:
                 violations += 1
                 if first is None:
-                    first = {
-                        "prompt": prompt,
-                        "position": pos,
-                        "token": tok,
-                        "drift": _r(d.token),
-                        "topk_drift": _r(d.topk),
-                    }
+                    first = where
         return {
             "drift_positions": m,
             "drift_max": _r(worst_tok),
@@ -368,6 +382,8 @@ class CellDrift:
             "drift_enforced": enforced(),
             "drift_missing": self.missing,
             "first_drift": first,
+            # the position closest to (or furthest over) its bars
+            "drift_worst_at": worst,
         }
 
 

@@ -179,6 +179,11 @@ def test_drift_above_floor_fails_at_floor_passes():
     assert jb["drift_violations"] >= 1
     assert jb["first_drift"]["prompt"] == 5
     assert jb["first_drift"]["position"] == 17
+    # the worst position, with the emitted token's size and its bars
+    worst = jb["drift_worst_at"]
+    assert (worst["prompt"], worst["position"]) == (5, 17)
+    assert worst["topk_drift"] > worst["topk_limit"] > 0
+    assert worst["drift"] <= worst["limit"] and worst["magnitude"] >= 0
 
 
 def _peaked(rng, n, noise, rank=0, bump=0.0):
@@ -234,13 +239,16 @@ def test_an_unlikely_emitted_token_is_judged_by_the_floor_at_its_size():
 def test_a_size_the_floor_never_saw_takes_the_next_larger_one():
     # A trained fixture's floor (from the sampled fast-apply cells): entries
     # near 0 and at 16-32, nothing between. A token of -3 is judged by the
-    # 16 bucket (the log-sum-exp's rounding moves it as much); the
-    # near-certain ones stay at their own floor; where a smaller size was
-    # seen, a larger one is not borrowed.
+    # 16 bucket times 1 - p (the log-sum-exp's rounding moves it nearly as
+    # much); one of -0.1 (p = 0.9) by a tenth of it; the near-certain ones
+    # stay at their own floor; where a smaller size was seen, a larger one
+    # is not borrowed.
     f = oracle.Floor()
     f.by_mag = {oracle.LOWEST: 1e-5, 4: 0.1875, 5: 0.1875}
     assert f.at(0.01) == 1e-5
-    assert f.at(3.0) == 0.1875
+    assert f.at(3.0) == pytest.approx(0.1875 * (1 - math.exp(-3.0)))
+    assert f.at(0.1) == pytest.approx(0.1875 * (1 - math.exp(-0.1)))
+    assert f.at(0.1) < 0.02
     assert f.at(20.0) == 0.1875
     dense = oracle.Floor()
     dense.by_mag = {oracle.LOWEST: 0.003, 1: 0.07, 3: 0.2}
