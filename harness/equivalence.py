@@ -1409,8 +1409,9 @@ def _eagle_probe(drafter: str) -> list[Cell]:
 def family_cells(kind: str = "all") -> list[Cell]:
     """The other hybrid families (slice ``families``, or ``families-<kind>``
     for one), bf16 on V1 and the default runner. A family with a spec path
-    on some line: n-gram k=5 and k=64, scripted drafts, none and align mode
-    with prefix hits, MTP where the fixture has a head (V1 and the default
+    on some line: n-gram k=5 and k=64, GPU n-gram with async scheduling, an
+    attention-only draft model, scripted drafts, none and align mode with
+    prefix hits, MTP where the fixture has a head (V1 and the default
     runner; scripted drafts through the MTP speculator on MRV2). A family
     with none on either line (Mamba1: Jamba, Mamba): one n-gram and one
     scripted cell, expected to be refused (``FAMILY_SPEC`` says why)."""
@@ -1431,6 +1432,11 @@ def family_cells(kind: str = "all") -> list[Cell]:
         Cell(m, "scripted:accept_then_zero", 4, 8, "v1", "align"),
         Cell(m, "ngram", 5, 8, d),
         Cell(m, "ngram", 64, 8, d, "align"),
+        # GPU n-gram with async scheduling, and an attention-only draft
+        # model (harness.models.write_dense_draft): the drafters every
+        # family takes besides n-gram
+        Cell(m, "ngram_gpu", 5, 8, d, async_sched=True),
+        Cell(m, "draft_model:dense", 3, 8),
     ]
     if FIXTURES[m]["mtp"]:
         cells += [

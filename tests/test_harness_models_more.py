@@ -201,7 +201,7 @@ def test_families_slice():
     from harness.models import FAMILY_KINDS
 
     cells = slice_cells("families")
-    assert len(cells) == 56
+    assert len(cells) == 70
     assert {c.model for c in cells} == set(FAMILY_KINDS) == set(FAMILY_SPEC)
     assert cells == [c for k in FAMILY_KINDS for c in slice_cells(f"families-{k}")]
     for kind in FAMILY_KINDS:
@@ -212,6 +212,9 @@ def test_families_slice():
         else:
             assert {c.cache_mode for c in own} == {"none", "align"}
             assert {c.runner for c in own} >= {"v1", "default"}
+            drafters = {c.drafter for c in own}
+            assert {"ngram", "ngram_gpu", "draft_model:dense"} <= drafters
+            assert any(c.async_sched for c in own if c.drafter == "ngram_gpu")
     for item in dry_run(cells):
         kind = item["cell"]["model"]
         for k, v in FIXTURES[kind]["engine_kwargs"].items():
