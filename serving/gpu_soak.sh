@@ -80,8 +80,8 @@
 # load stops 120 s before it, then the checks),
 # SOAK_RUNS ("soak-ngram soak-mtp fault-mtp"), SOAK_STAGGER (1: each run
 # starts once the candidates before it are up; 0 once the caches are warm),
-# SOAK_ARGS, SOAK_PORT_BASE (9000: the first port of RUN@BYTES runs, 20 a
-# run), PYTHON (python3),
+# SOAK_ARGS, SOAK_PORT_BASE (the first port of the runs, 20 a run; unset:
+# 9000 for RUN@BYTES runs, the kind's own for the others), PYTHON (python3),
 # SOAK_BUNDLE_ENV
 # (/tmp/hybridspec/env.sh; "none" to use this Python's vLLM).
 set -u
@@ -139,8 +139,15 @@ for spec in $RUNS; do
   kind=${spec%@*}
   run=$(run_name "$spec")
   own=()
-  # after the kind's arguments: the last of an option wins
-  [[ $spec == *@* ]] && own=(--kv-bytes "${spec#*@}" --port $((${SOAK_PORT_BASE:-9000} + 20 * i)))
+  # after the kind's arguments: the last of an option wins. Ports: a
+  # RUN@BYTES run's from SOAK_PORT_BASE (9000), 20 a run; with
+  # SOAK_PORT_BASE set, every run's (runs overlap in time: each needs
+  # ports of its own)
+  if [[ $spec == *@* ]]; then
+    own=(--kv-bytes "${spec#*@}" --port $((${SOAK_PORT_BASE:-9000} + 20 * i)))
+  elif [[ -n ${SOAK_PORT_BASE:-} ]]; then
+    own=(--port $((SOAK_PORT_BASE + 20 * i)))
+  fi
   i=$((i + 1))
   if ((${#started[@]})) && [[ ${SOAK_STAGGER:-1} != 0 ]]; then
     # each run starts once the candidates of the runs before it are up:

@@ -254,15 +254,18 @@ def test_gpu_soak_script_dry_run(tmp_path):
     extra = (
         "--duration 0 --requests 60 --pool 12 --max-tokens 30 --kv-bytes '' "
         "--sample-s 100000 --kill-after 24 --replay 8 "
-        f"--port {free_port()} --vllm-cmd '{FAKE}' "
+        f"--vllm-cmd '{FAKE}' "
         "--server-args 'cand=--fake-engine-child --fake-preempt-every 5'"
     )
     # a deadline far out: the runs end by request count, however slow the
     # machine (the script's deadline is tested below with a server that
-    # never starts)
+    # never starts). The two runs overlap in time, so each takes its own
+    # ports from SOAK_PORT_BASE (one --port for both once collided: "address
+    # already in use")
     proc = _gpu_soak(
         tmp_path, "against fake servers", extra,
         SOAK_CLIENTS="4", SOAK_DEADLINE="100000",
+        SOAK_PORT_BASE=str(free_port()),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     summary = (out / "SOAK.md").read_text()
