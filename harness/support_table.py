@@ -47,6 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 FAMILIES: dict[str, str] = {
     "qwen3_5": "Qwen3.5 (GDN), random weights",
     "fastapply": "Qwen3.5 fast-apply fixture, trained",
+    "qwen3_5_d128": "Qwen3.5 (GDN heads of 128), random weights",
     "nemotron_h": "NemotronH (Mamba2)",
     "qwen3_next": "Qwen3-Next (GDN, MoE)",
     "granitemoehybrid": "Granite-4.0-H (Mamba2)",

@@ -22,7 +22,7 @@ from harness.compare import Position, noise
 from .servers import time_left
 
 TIE_MARGIN = HARNESS_TIE_MARGIN["bfloat16"]  # nats
-NOISE_SAMPLE = 64  # matching answers teacher-forced beside the differing ones
+NOISE_SAMPLE = 64  # reference answers teacher-forced for the noise, at most
 
 
 def first_diff(a, b) -> int | None:
