@@ -390,7 +390,7 @@ def test_rescoring_sends_the_candidates_first_and_caps_the_noise_sample(
     a soak's hundreds of long answers once left differing rows unscored at
     the deadline."""
     import asyncio
-    import time
+    import math
 
     import aiohttp
 
@@ -437,9 +437,8 @@ def test_rescoring_sends_the_candidates_first_and_caps_the_noise_sample(
         {"prompt_token_ids": [1, i], "token_ids": [8, 8], "top": []} for i in range(n)
     ]
     rows = [{"idx_pos": i, "status": "differs" if i < 6 else "match"} for i in range(n)]
-    judged = asyncio.run(
-        compare.rescore("u", "m", rows, ref, cand, 0.05, time.time() + 60)
-    )
+    # no deadline (math.inf): the stub answers at once
+    judged = asyncio.run(compare.rescore("u", "m", rows, ref, cand, 0.05, math.inf))
     cand_prompts = {(1, i, 8, 8) for i in range(6)}
     assert set(sent[:6]) == cand_prompts  # every candidate, first
     assert len(sent) == 6 + 4 and judged["measured_on"] == 4
