@@ -611,6 +611,23 @@ def prompt_lps(outs) -> list[tuple[list[int], list]]:
     ]
 
 
+def reference_parallel(cell: Cell) -> dict:
+    """What a cell's non-speculative reference takes of its engine beyond
+    the model and lengths: nothing (TP=1, eager, V1), except for a
+    speculative cell at ``tensor_parallel_size`` > 1, whose reference is the
+    same target at the same tensor parallelism, runner and compilation
+    without speculation (keys ``tensor_parallel_size``, ``runner``,
+    ``graphs``). A compiled NemotronH at TP=2 emits other tokens than at TP=1
+    without any speculation (the ``tp2-probe`` slice's drafter "none"
+    cells, which keep the TP=1 eager reference to show it), so a
+    speculative TP=2 cell judged against TP=1 would report the base's
+    difference, not speculation's."""
+    tp = int(cell.extra.get("tensor_parallel_size") or 1)
+    if cell.drafter == "none" or tp == 1:
+        return {}
+    return {"tensor_parallel_size": tp, "runner": cell.runner, "graphs": cell.graphs}
+
+
 # the prompt-logprob floor of chunked candidates: the reference's prompts
 # prefilled without speculation in chunks of this many tokens (the
 # fuzzer's smallest budget, harness.fuzz.BUDGETS)
@@ -812,17 +829,20 @@ def run_cells(
             n = cell.prompts[0] if cell.prompts else max(n_prompts, cell.batch)
             two_waves = cell.cache_mode == "align"
             n_waves = cell.turns if two_waves else 1
+            par = reference_parallel(cell)
             rkey = (cell.model, cell.dtype, n, cell.max_tokens, two_waves,
                     cell.kv_cache_dtype, cell.prompts, reference_request(cell),
-                    n_waves)  # fmt: skip
+                    n_waves, tuple(sorted(par.items())))  # fmt: skip
             if rkey not in refs:
                 # long-prompt cells: the reference takes the same lengths
                 lengths = {k: v for k, v in cell.extra.items() if k == "max_model_len"}
                 ref_cell = Cell(cell.model, "none", 0, n, dtype=cell.dtype,
+                                runner=par.pop("runner", "v1"),
+                                graphs=par.pop("graphs", "eager"),
                                 max_tokens=cell.max_tokens,
                                 kv_cache_dtype=cell.kv_cache_dtype,
                                 request=reference_request(cell),
-                                extra=lengths)  # fmt: skip
+                                extra={**lengths, **par})  # fmt: skip
                 if cell.prompts:  # (n, seed, shortest, longest)
                     _, pseed, lo, hi = cell.prompts
                     waves = [cell_prompts(cell.model, n, pseed, (lo, hi))]
@@ -1368,14 +1388,15 @@ def slice_cells(name: str) -> list[Cell]:
             for k in (4, 8)
         ] + [Cell("jamba", "scripted:heterogeneous", 8, 8, "v1")]
     if name == "tp2-probe":
-        # NemotronH at tensor_parallel_size=2 diverges at the first
-        # generated token with CUDA graphs (full and piecewise) whatever the
-        # drafter (n-gram, scripted, MTP; both runners) and is identical in
-        # eager mode, while the fast-apply (GDN) cells with graphs are
-        # identical. The reference runs eager: the same target compiled
-        # without speculation (drafter "none"), compiled without CUDA graphs
-        # ("none") and with piecewise graphs only, to tell a compile or graph
-        # difference of the target at TP=2 from one of speculation
+        # NemotronH at tensor_parallel_size=2 diverged at the first
+        # generated token when compiled, whatever the drafter, and was
+        # identical in eager mode. The drafter "none" cells (the target
+        # alone, compiled with and without CUDA graphs, both runners) are
+        # judged against the TP=1 eager reference and diverge the same way:
+        # the compiled target at TP=2 differs from TP=1 without any
+        # speculation. The n-gram cells (compiled without graphs, piecewise,
+        # full) are judged against the same target at TP=2 and the same
+        # compilation without speculation (reference_parallel)
         tp, fp = {"tensor_parallel_size": 2}, "full_and_piecewise"
         nh = "nemotron_h"
         return [

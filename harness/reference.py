@@ -176,12 +176,10 @@ def compare_kind(
     teacher-forced by a prefill) against transformers' float32 forward on
     the same sequences; transformers in ``dtype`` measures the tolerance."""
     from . import equivalence as eq
-    from .models import write_model
 
-    if kind == eq.FASTAPPLY:
-        model_dir = str(eq.FASTAPPLY_DIR)
-    else:
-        model_dir = str(write_model(kind, workdir / f"model-{kind}", seed=seed))
+    # the committed fast-apply fixture, or one written here (the matrix's
+    # own choice of checkpoint: Qwen3.5 with GDN heads of 128 included)
+    model_dir = str(eq.model_folder(kind, workdir, seed))
     prompts = eq.cell_prompts(kind, n_prompts, seed)
     cell = eq.Cell(kind, "none", 0, n_prompts, dtype=dtype, max_tokens=max_tokens)
     outs, _ = eq.generate(cell, model_dir, [prompts], oracle.TOPK)

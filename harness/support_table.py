@@ -173,14 +173,49 @@ def _unstarted(got: dict, report_dir: Path, also: Sequence[Path] = ()) -> str:
             if n else "")  # fmt: skip
 
 
+def _slice_keys(name: str) -> set | None:
+    """The cell keys slice ``name`` holds now; None if no slice has that
+    name."""
+    from .equivalence import slice_cells
+    from .full_matrix import _key
+
+    try:
+        return {_key(c.key()) for c in slice_cells(name)}
+    except ValueError:  # not a slice of this harness
+        return None
+
+
+def retire(got: dict) -> int:
+    """Drop the errored cells that their slice no longer holds (the slice
+    was redefined after they ran, e.g. its model changed so that a kernel
+    accepts it); return how many. A cell that ran to a verdict is never
+    dropped: a divergence stays in the table until the same cell passes."""
+    keys: dict[str, set | None] = {}
+    n = 0
+    for variant, cells in got.items():
+        for key, (c, fname) in list(cells.items()):
+            if c.get("status") != "error":
+                continue
+            name = re.split(r"-(?:fork|upstream)", fname)[0]
+            if name not in keys:
+                keys[name] = _slice_keys(name)
+            if keys[name] is not None and key not in keys[name]:
+                del cells[key]
+                n += variant == "fork"
+    return n
+
+
 def gather(report_dir: Path, also: Sequence[Path] = ()) -> dict:
     """``harness.full_matrix.collect`` of ``report_dir`` and then of each
     folder of ``also`` in turn: a cell a later folder also ran takes its
-    result there."""
+    result there. Errored cells their slice no longer holds are dropped
+    (``retire``; their count is ``got["retired"]``)."""
     got = collect(Path(report_dir))
     for d in also:
         for variant, cells in collect(Path(d)).items():
             got[variant].update(cells)
+    n = retire(got)
+    got["retired"] = n  # type: ignore[assignment]
     return got
 
 
@@ -292,7 +327,10 @@ def table(
         + " / ".join(modes)
         + "); refused = rejected at config time; not run = no such cell in the "
         "matrix" + _unstarted(got, report_dir, also) + "."
-    )
+        + (f" Left out: {got['retired']} errored cells of slices redefined "
+           "since they ran (the slice no longer holds them)."
+           if got.get("retired") else "")
+    )  # fmt: skip
     head = "| target | " + " | ".join(DRAFTERS.get(d, d) for d in drafters) + " |"
     out = [caption, "", head, "|" + "---|" * (len(drafters) + 1), *rows, ""]
     if upstream:

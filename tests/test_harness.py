@@ -994,6 +994,43 @@ def test_tp2_probe_slice_tells_compilation_from_speculation():
         assert (spec_config(c) is None) == (c.drafter == "none")
 
 
+def test_speculative_tp2_cells_take_a_reference_at_their_own_tp_and_compilation(
+    tmp_path, monkeypatch
+):
+    """A speculative cell at tensor_parallel_size 2 is judged against the
+    same target at TP=2, runner and compilation without speculation; the
+    tp2-probe's drafter "none" cells (the base alone) keep the TP=1 eager
+    reference, and so do TP=1 cells."""
+    import harness.equivalence as eq
+
+    seen = []
+
+    def fake_generate(cell, model_dir, waves, logprobs, batches=None):
+        if all(cell is not c for c in cells):  # a reference (or its floor)
+            seen.append((cell.runner, cell.graphs,
+                         cell.extra.get("tensor_parallel_size")))  # fmt: skip
+        return [fake_output([1, 2, 3], logprobs) for w in waves for _ in w], {}
+
+    fake_engines(monkeypatch, fake_generate)
+    tp, fp = {"tensor_parallel_size": 2}, "full_and_piecewise"
+    cells = [
+        eq.Cell("nemotron_h", "ngram", 5, 2, "default", graphs=fp, extra=tp,
+                max_tokens=3),
+        eq.Cell("nemotron_h", "none", 0, 2, "default", graphs=fp, extra=tp,
+                max_tokens=3),
+        eq.Cell("nemotron_h", "ngram", 5, 2, max_tokens=3),
+    ]  # fmt: skip
+    rows = eq.run_cells(cells, tmp_path, n_prompts=2, seed=0)
+    assert [r["status"] for r in rows] == ["ok"] * 3
+    # the speculative TP=2 cell's; the base's control's and the TP=1 cell's
+    assert set(seen) == {("default", fp, 2), ("v1", "eager", None)}
+    assert eq.reference_parallel(cells[1]) == {}
+    assert eq.reference_parallel(cells[2]) == {}
+    assert eq.reference_parallel(cells[0]) == {
+        "tensor_parallel_size": 2, "runner": "default", "graphs": fp,
+    }  # fmt: skip
+
+
 def test_tp2_slice_shards_every_recurrent_head_count():
     """The tensor-parallel cells (2 GPUs): n-gram k=64 and MTP on both
     runners and cache modes, every cell with tensor_parallel_size 2, on

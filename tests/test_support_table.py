@@ -240,3 +240,34 @@ def test_without_folders_the_marker_keeps_its_later_slices():
         named = [REPO / d for d in st.marker_dirs(m)]
         got = st.default_dirs(text, m.group(1))
         assert [d.resolve() for d in got] == [d.resolve() for d in named]
+
+
+def test_errored_cells_their_slice_no_longer_holds_are_left_out(folder: Path):
+    """An errored cell of a slice redefined since it ran (its model or
+    engine no longer in the slice) is dropped and counted in the caption; a
+    diverged cell is never dropped, and an errored cell the slice still
+    holds stays."""
+    from harness.equivalence import slice_cells
+
+    later = folder.parent / "flashinfer-h200-2030-01-06"
+    later.mkdir()
+    held = {**slice_cells("flashinfer")[0].key(), "status": "error",
+            "error": "RuntimeError: still held", "tokens": 0, "divergences": 0,
+            "ties": 0}  # fmt: skip
+    gone = {**held, "engine": {"attention_backend": "NOT_IN_THE_SLICE"},
+            "error": "RuntimeError: retired"}  # fmt: skip
+    diverged = {**gone, "status": "diverged", "divergences": 2,
+                "runner": "mrv2"}  # fmt: skip
+    (later / "flashinfer-fork-1-of-2.json").write_text(
+        json.dumps([held, gone, diverged])
+    )
+    got = st.gather(folder, [later])
+    assert got["retired"] == 1
+    statuses = sorted(c["status"] for c, f in got["fork"].values()
+                      if f.startswith("flashinfer"))  # fmt: skip
+    assert statuses == ["diverged", "error"]
+    md = st.table(folder, base=folder.parent, also=[later])
+    assert "Left out: 1 errored cells of slices redefined since they ran" in md
+    notes = [x for x in md.splitlines() if x.startswith("- ")]
+    assert any("still held" in x for x in notes)
+    assert not any("retired" in x for x in notes)
