@@ -145,6 +145,18 @@ def _installed_vllm() -> dict | None:
     return json.loads(out)
 
 
+def version_file_holds(repo: Path, version: str) -> bool:
+    """Whether ``repo``'s ``vllm/_version.py`` names ``version``: the
+    editable install writes it there, and a fork materialized again (``make
+    sync``) has upstream's file back, so its vLLM would report another
+    version than the install's metadata."""
+    try:
+        text = (repo / "vllm" / "_version.py").read_text()
+    except OSError:
+        return False
+    return f"'{version}'" in text or f'"{version}"' in text
+
+
 def ensure_testbed() -> Path:
     pin = load_pin()
     repo = ensure_synced(allow_local_work=True)
@@ -180,7 +192,12 @@ def ensure_testbed() -> Path:
     editable_here = direct.get("dir_info", {}).get("editable") and direct.get(
         "url", ""
     ).endswith(str(repo))
-    if not installed or installed["version"] != version or not editable_here:
+    if (
+        not installed
+        or installed["version"] != version
+        or not editable_here
+        or not version_file_holds(repo, version)
+    ):
         wheel = fetch_file(pin, pin.file("wheel"))
         env = dict(os.environ)
         env.update(

@@ -205,3 +205,18 @@ def test_ensure_synced_follows_patches_but_keeps_local_work(synth):
     assert (repo / "vllm" / "other.py").read_text() == "X = 8\n"
     with pytest.raises(ToolError, match="uncommitted changes"):
         hf.ensure_synced(allow_local_work=False)
+
+
+def test_testbed_reinstalls_a_fork_whose_version_file_is_upstreams(tmp_path):
+    """A fork materialized again has upstream's vllm/_version.py: the test
+    bed must install it again, or its vLLM reports another version than the
+    install's metadata."""
+    from hsfork.testbed import version_file_holds
+
+    (tmp_path / "vllm").mkdir()
+    f = tmp_path / "vllm" / "_version.py"
+    assert not version_file_holds(tmp_path, "0.33.0+hybridspec.p1.abc")
+    f.write_text("__version__ = version = '0.33.0'\n")
+    assert not version_file_holds(tmp_path, "0.33.0+hybridspec.p1.abc")
+    f.write_text("__version__ = version = '0.33.0+hybridspec.p1.abc'\n")
+    assert version_file_holds(tmp_path, "0.33.0+hybridspec.p1.abc")
