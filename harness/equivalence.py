@@ -644,6 +644,25 @@ def plp_chunk_cell(ref_cell: Cell) -> Cell:
     return replace(ref_cell, chunked=True, extra=extra)
 
 
+def plp_shape_cell(ref_cell: Cell, cell: Cell) -> Cell | None:
+    """The non-speculative run of a "plp" reference's prompts in candidate
+    ``cell``'s prefill shape, the floor of its prompt logprobs
+    (``judge_prompt_lps``): prefilled in chunks of ``PLP_CHUNK`` tokens
+    where ``cell`` prefills in chunks (``plp_chunk_cell``), and with
+    ``cell``'s runner and compilation where it is compiled. None where that
+    shape is the reference's own (unchunked, eager). A compiled target
+    rounds a prompt's logits otherwise than the eager reference: a compiled
+    fast-apply candidate's prompt logprobs moved by 0.6 nats against it,
+    with or without speculation's drafts accepted, and by 2e-6 eager."""
+    chunked = chunked_prefill(cell.key())
+    if not chunked and cell.graphs == "eager":
+        return None
+    out = plp_chunk_cell(ref_cell) if chunked else ref_cell
+    if cell.graphs != "eager":
+        out = replace(out, runner=cell.runner, graphs=cell.graphs)
+    return out
+
+
 def chunked_prefill(row: dict) -> bool:
     """Whether a cell (its report row: ``Cell.key``) prefills in chunks: the
     slice's chunked cells and the fuzzer's configurations with a budget."""
@@ -659,7 +678,7 @@ def judge_prompt_lps(
     floor_run,
     dtype: str,
     path_floor: oracle.Floor | None = None,
-    chunk_run=None,
+    shape_run=None,
 ) -> dict:
     """The drift oracle on prompt logprobs: the candidate's against the
     reference's, position by position, within the noise between the
@@ -672,13 +691,15 @@ def judge_prompt_lps(
     the token budget, so its prompts are chunked elsewhere), so that floor
     alone would call that engine's rounding a drift.
 
-    ``chunk_run``, for a candidate that prefills in chunks: the reference's
-    prompts prefilled without speculation in small chunks (``PLP_CHUNK``).
-    A prompt's logprobs then come from chunk-by-chunk recurrent-state and
-    attention kernels, whose rounding differs from one prefill's by more
-    than any other floor holds (a chunked fast-apply candidate's prompt
-    logprobs moved by up to 0.7 nats while its generated tokens matched to
-    1e-5); the chunked run's difference from the reference is that floor.
+    ``shape_run``, for a candidate that prefills in chunks or is compiled:
+    the reference's prompts prefilled without speculation in that shape
+    (``plp_shape_cell``: in small chunks, ``PLP_CHUNK``, and compiled as the
+    candidate is). A prompt's logprobs then come from chunk-by-chunk
+    recurrent-state and attention kernels, or from compiled ones, whose
+    rounding differs from one eager prefill's by more than any other floor
+    holds (a chunked fast-apply candidate's prompt logprobs moved by up to
+    0.7 nats while its generated tokens matched to 1e-5); that run's
+    difference from the reference is the floor.
 
     A prompt that is not the reference's (a later turn that continues an
     answer which went the other way at a tie) is compared up to its first
@@ -688,7 +709,7 @@ def judge_prompt_lps(
     floor = oracle.Floor()
     for (toks, r), (_, f) in zip(ref, floor_run, strict=True):
         floor.add(r, f, toks)
-    for (toks, r), (ctoks, c) in zip(ref, chunk_run or [], strict=False):
+    for (toks, r), (ctoks, c) in zip(ref, shape_run or [], strict=False):
         if ctoks == toks:
             floor.add(r, c, toks)
     if path_floor is not None:
@@ -798,9 +819,13 @@ def run_cells(
     floors: dict[tuple, tuple] = {}
     cand_lps: dict[int, list] = {}
     # "plp" cells: rkey -> (prompt logprobs of the reference, of its floor
-    # run); id(row) -> the candidates'
+    # run); id(row) -> the candidates', and the key of the reference's run
+    # in the candidate's prefill shape (plp_shape_cell) in shape_plps
     ref_plps: dict[tuple, tuple] = {}
     cand_plps: dict[int, list] = {}
+    ref_cells: dict[tuple, Cell] = {}
+    shape_plps: dict[tuple, list] = {}
+    shape_of: dict[int, tuple] = {}
     models: dict[str, str] = {}
     for n_done, cell in enumerate(cells):
         t0 = time.time()
@@ -871,17 +896,9 @@ def run_cells(
                     oracle.output_lps(fouts),
                     [list(o.outputs[0].token_ids) for o in fouts],
                 )
+                ref_cells[rkey] = ref_cell
                 if cell.request == "plp":
-                    # the same prompts prefilled in chunks of PLP_CHUNK tokens,
-                    # without speculation: the prompt-logprob floor of a
-                    # chunked candidate (judge_prompt_lps)
-                    couts, _ = generate(plp_chunk_cell(ref_cell), model_dir,
-                                        waves, oracle.TOPK)  # fmt: skip
-                    ref_plps[rkey] = (
-                        prompt_lps(outs),
-                        prompt_lps(fouts),
-                        prompt_lps(couts),
-                    )
+                    ref_plps[rkey] = (prompt_lps(outs), prompt_lps(fouts))
             _, ref_tokens, waves = refs[rkey]
             prompts = flat_prompts(waves, cell.request)
             log = None
@@ -892,6 +909,15 @@ def run_cells(
             cand_lps[id(row)] = oracle.output_lps(outs)
             if cell.request == "plp":
                 cand_plps[id(row)] = prompt_lps(outs)
+                shape = plp_shape_cell(ref_cells[rkey], cell)
+                if shape is not None:
+                    # the same prompts without speculation in this
+                    # candidate's prefill shape: its prompt-logprob floor
+                    skey = (rkey, shape.runner, shape.graphs, shape.chunked)
+                    if skey not in shape_plps:
+                        souts, _ = generate(shape, model_dir, waves, oracle.TOPK)
+                        shape_plps[skey] = prompt_lps(souts)
+                    shape_of[id(row)] = skey
             row["accept"] = metrics or None
             if cell.preempt:
                 row["preemptions"] = metrics.get("vllm:num_preemptions")
@@ -1004,14 +1030,14 @@ def run_cells(
             if row["drift_violations"] and oracle.enforced():
                 row["status"] = "diverged"
             if rkey in ref_plps and id(row) in cand_plps:
-                ref_run, floor_run, chunk_run = ref_plps[rkey]
+                ref_run, floor_run = ref_plps[rkey]
                 judged = judge_prompt_lps(
                     cand_plps[id(row)],
                     ref_run,
                     floor_run,
                     dtype,
                     path_floor=floor,
-                    chunk_run=chunk_run if chunked_prefill(row) else None,
+                    shape_run=shape_plps.get(shape_of.get(id(row), ())),
                 )
                 row.update(judged)
                 if judged["prompt_drift_violations"] and oracle.enforced():

@@ -205,18 +205,16 @@ def retire(got: dict) -> int:
     return n
 
 
-def gather(report_dir: Path, also: Sequence[Path] = ()) -> dict:
+def gather(report_dir: Path, also: Sequence[Path] = ()) -> tuple[dict, int]:
     """``harness.full_matrix.collect`` of ``report_dir`` and then of each
     folder of ``also`` in turn: a cell a later folder also ran takes its
     result there. Errored cells their slice no longer holds are dropped
-    (``retire``; their count is ``got["retired"]``)."""
+    (``retire``); returns the cells and how many fork cells were dropped."""
     got = collect(Path(report_dir))
     for d in also:
         for variant, cells in collect(Path(d)).items():
             got[variant].update(cells)
-    n = retire(got)
-    got["retired"] = n  # type: ignore[assignment]
-    return got
+    return got, retire(got)
 
 
 def table(
@@ -232,7 +230,7 @@ def table(
     also = [Path(d) for d in also]
     base = REPO if base is None else Path(base)
     line = line or _line_of(report_dir)
-    got = gather(report_dir, also)
+    got, retired = gather(report_dir, also)
     fork = [c for c, _ in got["fork"].values()]
     upstream = [c for c, _ in got["upstream"].values()]
     if not fork:
@@ -327,9 +325,9 @@ def table(
         + " / ".join(modes)
         + "); refused = rejected at config time; not run = no such cell in the "
         "matrix" + _unstarted(got, report_dir, also) + "."
-        + (f" Left out: {got['retired']} errored cells of slices redefined "
+        + (f" Left out: {retired} errored cells of slices redefined "
            "since they ran (the slice no longer holds them)."
-           if got.get("retired") else "")
+           if retired else "")
     )  # fmt: skip
     head = "| target | " + " | ".join(DRAFTERS.get(d, d) for d in drafters) + " |"
     out = [caption, "", head, "|" + "---|" * (len(drafters) + 1), *rows, ""]

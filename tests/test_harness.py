@@ -1411,6 +1411,57 @@ def test_a_chunked_candidates_prompt_logprobs_are_judged_by_a_chunked_prefill(
     assert eq.chunked_prefill({"chunked": True})
 
 
+def test_a_compiled_candidates_prompt_logprobs_are_judged_by_a_compiled_prefill(
+    monkeypatch, tmp_path
+):
+    """A compiled "plp" candidate is judged within the difference between
+    the eager reference and the same prompts prefilled without speculation
+    by the target compiled as the candidate is (runner and graphs): the
+    compiled rounding (0.3 nats here) passes, a nat does not; an eager
+    candidate gets no such run and is held to the plain floor."""
+    from types import SimpleNamespace
+
+    import harness.equivalence as eq
+
+    seen = []
+
+    def out(prompt, shift):
+        o = fake_output([10, 11, 12], True)
+        o.prompt_token_ids = list(prompt)
+        o.prompt_logprobs = [None] + [
+            {
+                t: SimpleNamespace(logprob=-1.0 + (shift if i == 3 else 0.0)),
+                t + 1: SimpleNamespace(logprob=-3.0),
+            }
+            for i, t in enumerate(prompt[1:])
+        ]
+        return o
+
+    def fake_generate(cell, model_dir, waves, logprobs, batches=None):
+        seen.append((cell.drafter, cell.runner, cell.graphs))
+        shift = 0.3 if cell.graphs != "eager" else 0.0  # compiled rounding
+        if cell.drafter == "mtp":  # the bug
+            shift = 1.0
+        return [out(p, shift) for w in waves for p in w], {}
+
+    fake_engines(monkeypatch, fake_generate)
+    fp = "full_and_piecewise"
+    cells = [
+        eq.Cell("qwen3_5", "ngram", 8, 2, "mrv2", graphs=fp, request="plp",
+                max_tokens=3),
+        eq.Cell("qwen3_5", "mtp", 3, 2, "mrv2", graphs=fp, request="plp",
+                max_tokens=3),
+        eq.Cell("qwen3_5", "ngram", 8, 2, request="plp", max_tokens=3),
+    ]  # fmt: skip
+    rows = eq.run_cells(cells, tmp_path, n_prompts=2, seed=0)
+    # one compiled run without speculation, shared by both compiled cells
+    assert seen.count(("none", "mrv2", fp)) == 1
+    assert rows[0]["prompt_drift_violations"] == 0 and rows[0]["status"] == "ok"
+    assert rows[1]["prompt_drift_violations"] == 2 and rows[1]["status"] == "diverged"
+    assert rows[2]["status"] == "ok"
+    assert eq.plp_shape_cell(eq.Cell("qwen3_5", "none", 0, 2), cells[2]) is None
+
+
 def test_prompt_logprob_floor_and_prompts_that_went_another_way():
     """judge_prompt_lps: the floor run repeats a prefill in the same engine
     (no noise here), so the cell's own floor (decode against prefill)
