@@ -1356,6 +1356,23 @@ def test_prompt_logprobs_are_judged_against_the_reference(tmp_path, monkeypatch)
     assert eq.request_kwargs(cells[0]) == {"prompt_logprobs": eq.oracle.TOPK}
 
 
+def plp_output(prompt, shift: float):
+    """A fake output with prompt logprobs: the prompt's fourth scored token
+    moved by ``shift`` nats."""
+    from types import SimpleNamespace
+
+    o = fake_output([10, 11, 12], True)
+    o.prompt_token_ids = list(prompt)
+    o.prompt_logprobs = [None] + [
+        {
+            t: SimpleNamespace(logprob=-1.0 + (shift if i == 3 else 0.0)),
+            t + 1: SimpleNamespace(logprob=-3.0),
+        }
+        for i, t in enumerate(prompt[1:])
+    ]
+    return o
+
+
 def test_a_chunked_candidates_prompt_logprobs_are_judged_by_a_chunked_prefill(
     monkeypatch, tmp_path
 ):
@@ -1364,23 +1381,10 @@ def test_a_chunked_candidates_prompt_logprobs_are_judged_by_a_chunked_prefill(
     budget) is judged within that run's difference from the reference: its
     chunked rounding (0.3 nats here) passes, a nat does not; an unchunked
     candidate is still held to the plain floor."""
-    from types import SimpleNamespace
 
     import harness.equivalence as eq
 
     seen = []
-
-    def out(prompt, shift):
-        o = fake_output([10, 11, 12], True)
-        o.prompt_token_ids = list(prompt)
-        o.prompt_logprobs = [None] + [
-            {
-                t: SimpleNamespace(logprob=-1.0 + (shift if i == 3 else 0.0)),
-                t + 1: SimpleNamespace(logprob=-3.0),
-            }
-            for i, t in enumerate(prompt[1:])
-        ]
-        return o
 
     def fake_generate(cell, model_dir, waves, logprobs, batches=None):
         seen.append((cell.drafter, cell.extra.get("max_num_batched_tokens")))
@@ -1390,7 +1394,7 @@ def test_a_chunked_candidates_prompt_logprobs_are_judged_by_a_chunked_prefill(
             shift = 0.3
         if cell.drafter == "mtp":  # the bug
             shift = 1.0
-        return [out(p, shift) for w in waves for p in w], {}
+        return [plp_output(p, shift) for w in waves for p in w], {}
 
     fake_engines(monkeypatch, fake_generate)
     chunked = {"enable_chunked_prefill": True, "max_num_batched_tokens": 24}
@@ -1419,30 +1423,17 @@ def test_a_compiled_candidates_prompt_logprobs_are_judged_by_a_compiled_prefill(
     by the target compiled as the candidate is (runner and graphs): the
     compiled rounding (0.3 nats here) passes, a nat does not; an eager
     candidate gets no such run and is held to the plain floor."""
-    from types import SimpleNamespace
 
     import harness.equivalence as eq
 
     seen = []
-
-    def out(prompt, shift):
-        o = fake_output([10, 11, 12], True)
-        o.prompt_token_ids = list(prompt)
-        o.prompt_logprobs = [None] + [
-            {
-                t: SimpleNamespace(logprob=-1.0 + (shift if i == 3 else 0.0)),
-                t + 1: SimpleNamespace(logprob=-3.0),
-            }
-            for i, t in enumerate(prompt[1:])
-        ]
-        return o
 
     def fake_generate(cell, model_dir, waves, logprobs, batches=None):
         seen.append((cell.drafter, cell.runner, cell.graphs))
         shift = 0.3 if cell.graphs != "eager" else 0.0  # compiled rounding
         if cell.drafter == "mtp":  # the bug
             shift = 1.0
-        return [out(p, shift) for w in waves for p in w], {}
+        return [plp_output(p, shift) for w in waves for p in w], {}
 
     fake_engines(monkeypatch, fake_generate)
     fp = "full_and_piecewise"
