@@ -23,22 +23,28 @@ from benchmarks.plot import load
 
 
 def rows(docs: list[dict], baseline: str | None) -> list[dict]:
-    """One row per (label, BS): median ms/step, tokens/s, and the tokens/s
-    ratio over ``baseline`` at the same BS (None where either is missing)."""
-    cells: dict[tuple[str, int], list[dict]] = {}
+    """One row per (label, variant, BS): median ms/step, tokens/s, and the
+    tokens/s ratio over ``baseline`` of the same variant at the same BS (None
+    where either is missing). Where the JSONs hold several variants (fork and
+    upstream of one side-by-side run), a row's config is ``label/variant``."""
+    cells: dict[tuple[str, str, int], list[dict]] = {}
     for d in docs:
         for r in d.get("results", []):
-            cells.setdefault((d["mode"], int(r["bs"])), []).append(r)
+            key = (d["mode"], str(d.get("variant", "")), int(r["bs"]))
+            cells.setdefault(key, []).append(r)
+    several = len({v for _, v, _ in cells}) > 1
 
     def mean(rs: list[dict], key: str) -> float | None:
         xs = [r[key] for r in rs if r.get(key) is not None]
         return statistics.fmean(xs) if xs else None
 
     out = []
-    for (label, bs), rs in sorted(cells.items()):
+    for (label, variant, bs), rs in sorted(cells.items()):
         out.append(
             {
-                "config": label,
+                "config": f"{label}/{variant}" if several else label,
+                "label": label,
+                "variant": variant,
                 "bs": bs,
                 "runs": len(rs),
                 "median_ms": mean(rs, "median_ms"),
@@ -47,9 +53,13 @@ def rows(docs: list[dict], baseline: str | None) -> list[dict]:
                 "acceptance": mean(rs, "acceptance"),
             }
         )
-    base = {r["bs"]: r["tokens_per_s"] for r in out if r["config"] == baseline}
+    base = {
+        (r["variant"], r["bs"]): r["tokens_per_s"]
+        for r in out
+        if r["label"] == baseline
+    }
     for r in out:
-        b = base.get(r["bs"])
+        b = base.get((r["variant"], r["bs"]))
         r["speedup_vs_baseline"] = (
             r["tokens_per_s"] / b if b and r["tokens_per_s"] is not None else None
         )
@@ -89,7 +99,11 @@ def markdown(rs: list[dict], docs: list[dict], baseline: str | None, run: str) -
         "",
         "ms/step: median wall time of full-batch decode steps; tok/s: tokens "
         "emitted by decode steps over their time"
-        + (f"; speedup: tok/s over `{baseline}` at the same BS." if baseline else "."),
+        + (
+            f"; speedup: tok/s over `{baseline}` of the same variant at the same BS."
+            if baseline
+            else "."
+        ),
         "",
         "| config | BS | ms/step | tok/s | tokens/step | acceptance | speedup |",
         "|---|---:|---:|---:|---:|---:|---:|",

@@ -57,6 +57,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import BenchError
+
 SCHEMA = "hsfork-decode-latency/1"
 MODES = ("none", "ngram_nomatch", "scripted70", "mtp")
 DEFAULT_MODEL_DIR = "/tmp/hsfork-bench/qwen3_5_9b"
@@ -148,6 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
         "and request (harness.traces) instead of --accept-rate",
     )
     ap.add_argument(
+        "--draft-policy",
+        choices=("fixed", "acceptance"),
+        default="fixed",
+        help="scripted70: acceptance cuts each request's scripted drafts "
+        "with the fork's per-request draft-length policy "
+        "(vllm.v1.spec_decode.dynamic.acceptance), fed with the scripted rows",
+    )
+    ap.add_argument(
+        "--draft-token-cost",
+        type=float,
+        default=0.005,
+        help="--draft-policy acceptance: its step-cost ratio t1/t0",
+    )
+    ap.add_argument(
         "--ref-iters",
         type=int,
         default=4,
@@ -190,8 +206,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"prompt + tokens + drafts = {need} > --max-model-len")
     if a.tokens < 2 or a.warmup_tokens < 1 or a.rounds < 1:
         ap.error("--tokens >= 2, --warmup-tokens >= 1, --rounds >= 1")
-    if not 1 <= a.scripted_k <= 32 or not 0.0 <= a.accept_rate <= 1.0:
-        ap.error("--scripted-k in 1..32, --accept-rate in [0, 1]")
+    # a trace replays recorded draft lengths (n-gram up to 64); the hash
+    # draws of --accept-rate give at most 32 drafts
+    max_k = 64 if a.trace else 32
+    if not 1 <= a.scripted_k <= max_k or not 0.0 <= a.accept_rate <= 1.0:
+        ap.error(f"--scripted-k in 1..{max_k}, --accept-rate in [0, 1]")
+    if a.draft_policy != "fixed" and a.mode != "scripted70":
+        ap.error("--draft-policy is for scripted70")
     if a.mode == "ngram_nomatch" and not (
         a.ngram_k >= 1 and 1 <= a.prompt_lookup_min <= a.prompt_lookup_max
     ):
@@ -619,6 +640,24 @@ def measure_plain(llm, meter: StepMeter, a: argparse.Namespace, bs: int) -> dict
     return row
 
 
+def draft_policy(a: argparse.Namespace):
+    """A fresh per-request draft-length policy for one run, or None.
+
+    ``acceptance``: the fork's ``AcceptanceDraftLength`` (its n-gram runner
+    hook cuts the n-gram drafts the same way; here it cuts the scripted
+    ones). Bases without it have no such policy to measure."""
+    if a.draft_policy == "fixed":
+        return None
+    try:
+        from vllm.v1.spec_decode.dynamic.acceptance import AcceptanceDraftLength
+    except ImportError as e:
+        raise BenchError(
+            "--draft-policy acceptance needs a vLLM with "
+            "vllm.v1.spec_decode.dynamic.acceptance (the fork)"
+        ) from e
+    return AcceptanceDraftLength(a.draft_token_cost)
+
+
 def measure_scripted(llm, meter: StepMeter, a: argparse.Namespace, bs: int) -> dict:
     """scripted70. References come from this engine: pass 0 with no drafts
     (the proposer has no plan) gives ``tokens + k + 2`` greedy tokens; each
@@ -647,13 +686,22 @@ def measure_scripted(llm, meter: StepMeter, a: argparse.Namespace, bs: int) -> d
         from harness.traces import load
 
         _, traces = load(a.trace)
+
+    def make_plan():
+        return scripted.make_plan(
+            prompts,
+            refs,
+            a.accept_rate,
+            k,
+            a.seed,
+            vocab,
+            traces=traces,
+            policy=draft_policy(a),
+        )
+
     history = []
     for _ in range(a.ref_iters):
-        plan = scripted.activate(
-            scripted.make_plan(
-                prompts, refs, a.accept_rate, k, a.seed, vocab, traces=traces
-            )
-        )
+        plan = scripted.activate(make_plan())
         outs, _, _ = timed_generate(llm, meter, prompts, greedy)
         mismatched = sum(o != r[:n] for o, r in zip(outs, refs, strict=True))
         history.append({"mismatched_rows": mismatched, **plan.summary()})
@@ -666,11 +714,7 @@ def measure_scripted(llm, meter: StepMeter, a: argparse.Namespace, bs: int) -> d
     plans = []
     try:
         for _ in range(a.rounds):
-            plan = scripted.activate(
-                scripted.make_plan(
-                    prompts, refs, a.accept_rate, k, a.seed, vocab, traces=traces
-                )
-            )
+            plan = scripted.activate(make_plan())
             toks, rr, w = timed_generate(llm, meter, prompts, greedy)
             recs += rr
             tokens += toks
@@ -782,6 +826,7 @@ def run(a: argparse.Namespace) -> int:
         "seed": a.seed,
         "accept_rate": a.accept_rate if a.mode == "scripted70" else None,
         "trace": a.trace if a.mode == "scripted70" else None,
+        "draft_policy": a.draft_policy if a.mode == "scripted70" else None,
         "ref_iters": a.ref_iters if a.mode == "scripted70" else None,
         "runner": a.runner,
         "tq_cudagraph": a.tq_cudagraph,

@@ -21,8 +21,12 @@
 #       MTP k=3 on fastapply; n-gram k=64 on random): $OUT/traces/*.jsonl
 #   bash benchmarks/gpu_runs.sh replay TRACE.jsonl [DEADLINE_S]
 #       that trace replayed through the scripted drafter on the Qwen3.5-9B
-#       shape, fork vs upstream side by side, BS 1/8/32/64 with CUDA graphs
-#       (decode_latency --trace): $OUT/replay-<trace name>
+#       shape (k = the trace's longest draft), no speculation and the replay,
+#       fork vs upstream side by side, BS 1/8/32/64 (REPLAY_BS) with CUDA
+#       graphs (decode_latency --trace); for n-gram traces then the fork's
+#       draft_length_policy="acceptance" cutting the same drafts
+#       (REPLAY_POLICY=0: not); speedups over no speculation
+#       (benchmarks.configs_report): $OUT/replay-<trace name>
 set -u
 R=$PWD
 OUT=${OUT:-$R/out}
@@ -80,9 +84,27 @@ traces)
 replay)
   trace=${2:?trace file}
   name=$(basename "$trace" .jsonl)
-  in_variant fork python3 -m benchmarks.side_by_side --modes scripted70 \
-    --out "$OUT/replay-$name" --run "trace-$name" --deadline "${3:-540}" \
-    -- --trace "$trace" --batch-sizes 1,8,32,64 --tokens 96
+  end=$((SECONDS + ${3:-540}))
+  # the scripted drafter's k: the trace's longest draft (n-gram up to 64)
+  k=$(python3 -c "
+import sys
+from harness.traces import load
+print(max(1, min(64, max((d for t in load(sys.argv[1])[1] for d, _ in t), default=1))))" "$trace")
+  bench=(--trace "$trace" --scripted-k "$k" --batch-sizes "${REPLAY_BS:-1,8,32,64}"
+         --tokens "${REPLAY_TOKENS:-256}")
+  in_variant fork python3 -m benchmarks.side_by_side --modes none,scripted70 \
+    --out "$OUT/replay-$name" --run "trace-$name" --deadline $((end - SECONDS)) \
+    -- "${bench[@]}"
+  # the fork's per-request draft length (draft_length_policy="acceptance")
+  # cutting the same drafts; n-gram traces only (the policy is n-gram's)
+  if [[ $name == ngram* && ${REPLAY_POLICY:-1} == 1 ]]; then
+    in_variant fork python3 -m benchmarks.side_by_side --variants fork \
+      --modes scripted70 --out "$OUT/replay-$name" --run "trace-$name-policy" \
+      --deadline $((end - SECONDS)) \
+      -- "${bench[@]}" --draft-policy acceptance --label scripted_policy
+  fi
+  python3 -m benchmarks.configs_report "$OUT/replay-$name" --baseline none \
+    --out "$OUT/replay-$name" --run "speedup-$name" 2>&1 | tail -3
   ;;
 *) echo "usage: $0 profile|tq|mtp-mrv2|traces|replay ..."; exit 2 ;;
 esac

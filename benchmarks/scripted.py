@@ -84,6 +84,11 @@ class Plan:
     # recorded (drafts, accepted) per step of each request (harness.traces):
     # request row r replays trace r mod len(traces), its steps in a cycle
     traces: list[list[list[int]]] | None = None
+    # a per-request draft-length policy (the fork's AcceptanceDraftLength:
+    # observe(req_ids, drafts, sampled, scheduled), num_drafts(req_id, n))
+    # that cuts each step's drafts, fed with this plan's own rows
+    policy: object | None = None
+    last: dict[int, int] = field(default_factory=dict)  # row -> drafts sent
 
     def schedule(self, ctx: StepContext) -> tuple[int, int]:
         if self.traces:
@@ -117,8 +122,11 @@ def make_plan(
     seed: int,
     vocab_size: int,
     traces: list[list[list[int]]] | None = None,
+    policy: object | None = None,
 ) -> Plan:
-    """The run's plan: drafts at ``rate``, or replaying ``traces``."""
+    """The run's plan: drafts at ``rate``, or replaying ``traces`` (any
+    ``k``: the hash draws of ``rate`` are not used), each step's drafts cut
+    by ``policy`` where given."""
     script = Script(
         {
             "schedule": "random",  # replaced by Plan.schedule
@@ -136,7 +144,8 @@ def make_plan(
         if len(head) < HEAD or head in by_head:
             raise ValueError(f"prompts need distinct heads of {HEAD} tokens")
         by_head[head] = i
-    return Plan(script, rate, prefix_probability(rate, k), by_head, traces=traces)
+    p = 0.0 if traces else prefix_probability(rate, k)
+    return Plan(script, rate, p, by_head, traces=traces, policy=policy)
 
 
 def activate(plan: Plan | None) -> Plan | None:
@@ -154,6 +163,31 @@ def _fixed(n: int, correct: int):
     return lambda _ctx: (n, correct)
 
 
+def _row(plan: Plan, i: int, sampled, num_tokens_no_spec, token_ids_cpu):
+    """(script row, tokens generated before the newest one) of batch row
+    ``i``, or None where nothing is scripted for it."""
+    if not sampled:  # partial prefill: nothing sampled, no drafts
+        return None
+    n = int(num_tokens_no_spec[i])
+    row = plan.by_head.get(tuple(token_ids_cpu[i, :HEAD].tolist()))
+    if row is None:
+        return None
+    generated = n - len(plan.script.requests[row][0]) - 1
+    return None if generated < 0 else (row, generated)
+
+
+def observe_policy(plan: Plan, rows: list[tuple[int, int] | None], sampled) -> None:
+    """Feed ``plan.policy`` the step just verified: per scripted row, the
+    drafts this plan sent it and the tokens it sampled."""
+    live = [(r[0], len(s)) for r, s in zip(rows, sampled, strict=True) if r]
+    plan.policy.observe(  # type: ignore[attr-defined]
+        [str(row) for row, _ in live],
+        {str(row): plan.last.get(row, 0) for row, _ in live},
+        [n for _, n in live],
+        sum(1 + plan.last.get(row, 0) for row, _ in live),
+    )
+
+
 def propose_rows(
     plan: Plan | None,
     k: int,
@@ -164,23 +198,20 @@ def propose_rows(
     """The drafts of one step; updates only the plan's counters."""
     if plan is None:
         return [[] for _ in sampled_token_ids]
+    rows = [
+        _row(plan, i, sampled, num_tokens_no_spec, token_ids_cpu)
+        for i, sampled in enumerate(sampled_token_ids)
+    ]
+    if plan.policy is not None:
+        observe_policy(plan, rows, sampled_token_ids)
     out: list[list[int]] = []
-    scripted = False
-    for i, sampled in enumerate(sampled_token_ids):
-        if not sampled:  # partial prefill: nothing sampled, no drafts
+    for i, r in enumerate(rows):
+        if r is None:
             out.append([])
             continue
+        row, generated = r
         n = int(num_tokens_no_spec[i])
-        row = plan.by_head.get(tuple(token_ids_cpu[i, :HEAD].tolist()))
-        if row is None:
-            out.append([])
-            continue
-        prompt, reference = plan.script.requests[row]
-        generated = n - len(prompt) - 1  # output tokens before the newest one
-        if generated < 0:
-            out.append([])
-            continue
-        scripted = True
+        reference = plan.script.requests[row][1]
         if generated < len(reference) and int(token_ids_cpu[i, n - 1]) != int(
             reference[generated]
         ):
@@ -191,13 +222,16 @@ def propose_rows(
             row, step, generated, n, k, plan.script.block_size, plan.script.seed
         )
         n_drafts, correct = plan.schedule(ctx)
+        if plan.policy is not None:
+            n_drafts = plan.policy.num_drafts(str(row), n_drafts)  # type: ignore[attr-defined]
         drafts = drafts_for(
             _fixed(n_drafts, correct), ctx, reference, plan.script.vocab_size
         )
+        plan.last[row] = len(drafts)
         plan.proposed += len(drafts)
         plan.intended += min(correct, len(drafts))
         out.append(drafts)
-    if scripted:
+    if any(rows):
         plan.calls += 1
     return out
 

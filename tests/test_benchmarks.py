@@ -1101,3 +1101,23 @@ def test_configs_report_rows_and_files(tmp_path):
     assert "| tq_fix | 1 | 11.000 |" in md and "speedup: tok/s over `tq_eager`" in md
     with pytest.raises(SystemExit):
         cr.write([tmp_path / "out" / "t.md"], tmp_path / "o2", "t", None)
+
+
+def test_configs_report_takes_each_variants_speedup_over_its_own_baseline(tmp_path):
+    from benchmarks import configs_report as cr
+
+    # fork and upstream of one side-by-side replay: none and scripted70 each
+    for variant, none_ms, spec_ms in (("fork", 10.0, 5.0), ("upstream", 20.0, 8.0)):
+        for label, ms in (("none", none_ms), ("scripted70", spec_ms)):
+            row = {"bs": 8, "median_ms": ms, "tokens_per_s": 1e3 / ms}
+            doc = {"schema": dl.SCHEMA, "mode": label, "variant": variant,
+                   "status": "ok", "config": {"engine": {}},
+                   "results": [row]}  # fmt: skip
+            (tmp_path / f"{label}-{variant}.json").write_text(json.dumps(doc))
+    res = cr.write([tmp_path], tmp_path / "o", "t", "none")
+    by = {r["config"]: r for r in res["rows"]}
+    assert set(by) == {"none/fork", "none/upstream", "scripted70/fork",
+                       "scripted70/upstream"}  # fmt: skip
+    assert by["scripted70/fork"]["speedup_vs_baseline"] == pytest.approx(2.0)
+    assert by["scripted70/upstream"]["speedup_vs_baseline"] == pytest.approx(2.5)
+    assert by["none/upstream"]["speedup_vs_baseline"] == pytest.approx(1.0)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from benchmarks import scripted
 from harness import traces
 from harness.drafter import StepContext
@@ -76,3 +78,50 @@ def test_replay_follows_the_recorded_steps():
     assert plan.schedule(ctx(0, 2)) == (4, 2)  # the trace again
     assert plan.schedule(ctx(1, 0)) == (6, 6)  # capped at k
     assert plan.schedule(ctx(2, 1)) == (0, 0)  # row 2 replays trace 0
+
+
+class _HalfPolicy:
+    """Keeps half of each row's drafts; records what it is shown."""
+
+    def __init__(self):
+        self.seen = []
+
+    def observe(self, req_ids, drafts, sampled, scheduled):
+        self.seen.append((list(req_ids), dict(drafts), list(sampled), scheduled))
+
+    def num_drafts(self, req_id, n):
+        return n // 2
+
+
+def test_replay_cuts_drafts_by_a_policy_fed_with_its_own_rows():
+    import numpy as np
+
+    prompts = [list(range(100, 110)), list(range(200, 210))]
+    refs = [list(range(1000, 1100)), list(range(2000, 2100))]
+    policy = _HalfPolicy()
+    # k=64 with a trace: no hash draws, so any k up to the trace's lengths
+    plan = scripted.make_plan(
+        prompts, refs, 0.7, 64, 0, 5000, traces=[[[64, 3]], [[8, 8]]], policy=policy
+    )
+    tokens = np.zeros((2, 200), dtype=np.int64)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+        tokens[i, len(p)] = refs[i][0]
+    n = [len(p) + 1 for p in prompts]  # prompt + the first sampled token
+    first = scripted.propose_rows(plan, 64, [[1], [1]], n, tokens)
+    assert [len(d) for d in first] == [32, 4]  # halved
+    assert first[0][:3] == refs[0][1:4] and first[1] == refs[1][1:5]
+    # row 0 accepted its 3 correct drafts (4 sampled), row 1 all 4 (5 sampled)
+    scripted.propose_rows(plan, 64, [[1] * 4, [1] * 5], n, tokens)
+    assert policy.seen[0] == (["0", "1"], {"0": 0, "1": 0}, [1, 1], 2)
+    assert policy.seen[1] == (["0", "1"], {"0": 32, "1": 4}, [4, 5], 2 + 32 + 4)
+    assert plan.proposed == 2 * (32 + 4) and plan.intended == 2 * (3 + 4)
+
+
+def test_a_trace_replay_takes_draft_lengths_above_the_hash_limit():
+    with pytest.raises(ValueError):
+        scripted.make_plan([list(range(8))], [[1, 2]], 0.7, 64, 0, 100)
+    plan = scripted.make_plan(
+        [list(range(8))], [[1, 2]], 0.7, 64, 0, 100, traces=[[[64, 10]]]
+    )
+    assert plan.schedule(StepContext(0, 0, 0, 9, 64, 16, 0)) == (64, 10)
