@@ -51,19 +51,30 @@ def rows(docs: list[dict], baseline: str | None) -> list[dict]:
                 "tokens_per_s": mean(rs, "tokens_per_s"),
                 "tokens_per_step": mean(rs, "tokens_per_step"),
                 "acceptance": mean(rs, "acceptance"),
+                "wall_s": mean(rs, "wall_s"),
+                "peak_rows": max(
+                    (n for n in map(peak_rows, rs) if n is not None), default=None
+                ),
             }
         )
-    base = {
-        (r["variant"], r["bs"]): r["tokens_per_s"]
-        for r in out
-        if r["label"] == baseline
-    }
+    base = {(r["variant"], r["bs"]): r for r in out if r["label"] == baseline}
     for r in out:
-        b = base.get((r["variant"], r["bs"]))
+        b = base.get((r["variant"], r["bs"]), {})
+        bt, bw = b.get("tokens_per_s"), b.get("wall_s")
         r["speedup_vs_baseline"] = (
-            r["tokens_per_s"] / b if b and r["tokens_per_s"] is not None else None
+            r["tokens_per_s"] / bt if bt and r["tokens_per_s"] is not None else None
         )
+        # the same requests and tokens on both sides: the batch's wall time
+        r["e2e_speedup_vs_baseline"] = bw / r["wall_s"] if bw and r["wall_s"] else None
     return out
+
+
+def peak_rows(result: dict) -> int | None:
+    """The most requests any step scheduled (``steps``: decode_latency's
+    per-step records, rows second): below the batch size where the engine
+    could not hold the whole batch at once."""
+    steps = result.get("steps") or []
+    return max((int(s[1]) for s in steps), default=None)
 
 
 def _f(x, fmt: str = "{:.3f}") -> str:
@@ -97,16 +108,21 @@ def markdown(rs: list[dict], docs: list[dict], baseline: str | None, run: str) -
         )
     lines += [
         "",
-        "ms/step: median wall time of full-batch decode steps; tok/s: tokens "
-        "emitted by decode steps over their time"
+        "ms/step: median wall time of full-batch decode steps (of all decode "
+        "steps where no step held the full batch); tok/s: tokens emitted by "
+        "decode steps over their time; peak rows: the most requests one step "
+        "scheduled; wall: the batch's measured runs from submission to the last "
+        "token"
         + (
-            f"; speedup: tok/s over `{baseline}` of the same variant at the same BS."
+            f"; speedup: tok/s over `{baseline}` of the same variant at the same "
+            f"BS; e2e: `{baseline}`'s wall time over this one's."
             if baseline
             else "."
         ),
         "",
-        "| config | BS | ms/step | tok/s | tokens/step | acceptance | speedup |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| config | BS | ms/step | tok/s | tokens/step | acceptance | peak rows "
+        "| wall s | speedup | e2e |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rs:
         lines.append(
@@ -114,7 +130,9 @@ def markdown(rs: list[dict], docs: list[dict], baseline: str | None, run: str) -
             f"| {_f(r['tokens_per_s'], '{:.0f}')} "
             f"| {_f(r['tokens_per_step'], '{:.2f}')} "
             f"| {_f(r['acceptance'], '{:.3f}')} "
-            f"| {_f(r['speedup_vs_baseline'], '{:.2f}x')} |"
+            f"| {_f(r['peak_rows'], '{}')} | {_f(r['wall_s'], '{:.2f}')} "
+            f"| {_f(r['speedup_vs_baseline'], '{:.2f}x')} "
+            f"| {_f(r['e2e_speedup_vs_baseline'], '{:.2f}x')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -127,13 +145,24 @@ def plot(rs: list[dict], path: Path, run: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    e2e = any(r.get("e2e_speedup_vs_baseline") is not None for r in rs)
+    titles = ["ms per decode step", "tokens/s"] + (["e2e speedup"] if e2e else [])
+    fig, axes = plt.subplots(1, len(titles), figsize=(5 * len(titles), 4))
     for label in sorted({r["config"] for r in rs}):
         pts = [r for r in rs if r["config"] == label]
         bs = [r["bs"] for r in pts]
         axes[0].plot(bs, [r["median_ms"] for r in pts], marker="o", label=label)
         axes[1].plot(bs, [r["tokens_per_s"] for r in pts], marker="o", label=label)
-    for ax, title in zip(axes, ("ms per decode step", "tokens/s"), strict=True):
+        if e2e:
+            axes[2].plot(
+                bs,
+                [r.get("e2e_speedup_vs_baseline") for r in pts],
+                marker="o",
+                label=label,
+            )
+    if e2e:
+        axes[2].axhline(1.0, color="k", lw=0.8)
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")
         ax.set_title(title)

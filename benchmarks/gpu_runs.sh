@@ -92,14 +92,14 @@ from harness.traces import load
 print(max(1, min(64, max((d for t in load(sys.argv[1])[1] for d, _ in t), default=1))))" "$trace")
   bench=(--trace "$trace" --scripted-k "$k" --batch-sizes "${REPLAY_BS:-1,8,32,64}"
          --tokens "${REPLAY_TOKENS:-256}")
-  in_variant fork python3 -m benchmarks.side_by_side --modes none,scripted70 \
+  in_variant fork python3 -m benchmarks.side_by_side --modes "${REPLAY_MODES:-none,scripted70}" \
     --out "$OUT/replay-$name" --run "trace-$name" --deadline $((end - SECONDS)) \
     -- "${bench[@]}"
   # the fork's per-request draft length (draft_length_policy="acceptance")
   # cutting the same drafts; n-gram traces only (the policy is n-gram's)
   if [[ $name == ngram* && ${REPLAY_POLICY:-1} == 1 ]]; then
     in_variant fork python3 -m benchmarks.side_by_side --variants fork \
-      --modes scripted70 --out "$OUT/replay-$name" --run "trace-$name-policy" \
+      --modes scripted70 --out "$OUT/replay-$name/policy" --run "trace-$name-policy" \
       --deadline $((end - SECONDS)) \
       -- "${bench[@]}" --draft-policy acceptance --label scripted_policy
   fi

@@ -1109,7 +1109,11 @@ def test_configs_report_takes_each_variants_speedup_over_its_own_baseline(tmp_pa
     # fork and upstream of one side-by-side replay: none and scripted70 each
     for variant, none_ms, spec_ms in (("fork", 10.0, 5.0), ("upstream", 20.0, 8.0)):
         for label, ms in (("none", none_ms), ("scripted70", spec_ms)):
-            row = {"bs": 8, "median_ms": ms, "tokens_per_s": 1e3 / ms}
+            # wall: the batch's time; steps: [ms, rows, ...] (the spec run
+            # held 6 of its 8 requests at most)
+            rows = 8 if label == "none" else 6
+            row = {"bs": 8, "median_ms": ms, "tokens_per_s": 1e3 / ms,
+                   "wall_s": ms / 10, "steps": [[ms, rows]]}  # fmt: skip
             doc = {"schema": dl.SCHEMA, "mode": label, "variant": variant,
                    "status": "ok", "config": {"engine": {}},
                    "results": [row]}  # fmt: skip
@@ -1121,3 +1125,10 @@ def test_configs_report_takes_each_variants_speedup_over_its_own_baseline(tmp_pa
     assert by["scripted70/fork"]["speedup_vs_baseline"] == pytest.approx(2.0)
     assert by["scripted70/upstream"]["speedup_vs_baseline"] == pytest.approx(2.5)
     assert by["none/upstream"]["speedup_vs_baseline"] == pytest.approx(1.0)
+    assert by["scripted70/upstream"]["e2e_speedup_vs_baseline"] == pytest.approx(2.5)
+    assert by["scripted70/fork"]["peak_rows"] == 6 and by["none/fork"]["peak_rows"] == 8
+    md = (tmp_path / "o" / "t.md").read_text()
+    assert (
+        "| scripted70/fork | 8 | 5.000 | 200 |" in md
+        and "| 6 | 0.50 | 2.00x | 2.00x |" in md
+    )
