@@ -687,7 +687,9 @@ def measure_scripted(llm, meter: StepMeter, a: argparse.Namespace, bs: int) -> d
 
         _, traces = load(a.trace)
 
-    def make_plan():
+    def make_plan(measured_round: int = 0):
+        # each measured round replays the next bs traces, so that a small
+        # batch meets more than its first rows' traces
         return scripted.make_plan(
             prompts,
             refs,
@@ -697,6 +699,7 @@ def measure_scripted(llm, meter: StepMeter, a: argparse.Namespace, bs: int) -> d
             vocab,
             traces=traces,
             policy=draft_policy(a),
+            trace_offset=measured_round * bs,
         )
 
     history = []
@@ -713,8 +716,8 @@ def measure_scripted(llm, meter: StepMeter, a: argparse.Namespace, bs: int) -> d
     wall = 0.0
     plans = []
     try:
-        for _ in range(a.rounds):
-            plan = scripted.activate(make_plan())
+        for r in range(a.rounds):
+            plan = scripted.activate(make_plan(r))
             toks, rr, w = timed_generate(llm, meter, prompts, greedy)
             recs += rr
             tokens += toks

@@ -17,11 +17,13 @@
 #   bash benchmarks/gpu_runs.sh traces
 #       record per-request draft/accept traces (harness.traces) of the real
 #       drafters on the trained fast-apply fixture and on random prompts,
-#       TRACES entries DRAFTER,K,PROMPTS (default: n-gram k=64, n-gram k=8,
-#       MTP k=3 on fastapply; n-gram k=64 on random): $OUT/traces/*.jsonl
+#       TRACES entries DRAFTER,K,PROMPTS[,TEMPERATURE] (default: n-gram k=64,
+#       n-gram k=8, MTP k=3 on fastapply; n-gram k=64 on random, greedy and
+#       sampled at temperature 1: the low-acceptance trace): $OUT/traces/*.jsonl
 #   bash benchmarks/gpu_runs.sh replay TRACE.jsonl [DEADLINE_S]
 #       that trace replayed through the scripted drafter on the Qwen3.5-9B
-#       shape (k = the trace's longest draft), no speculation and the replay,
+#       shape (k = the trace's longest draft; each of REPLAY_ROUNDS (4) measured
+#       rounds replays the next BS traces), no speculation and the replay,
 #       fork vs upstream side by side, BS 1/8/32/64 (REPLAY_BS) with CUDA
 #       graphs (decode_latency --trace); for n-gram traces then the fork's
 #       draft_length_policy="acceptance" cutting the same drafts
@@ -72,11 +74,12 @@ mtp-mrv2)
   ;;
 traces)
   mkdir -p "$OUT/traces"
-  for spec in ${TRACES:-ngram,64,fastapply ngram,8,fastapply mtp,3,fastapply ngram,64,random}; do
-    IFS=, read -r d k p <<<"$spec"
-    name="${d//:/-}-k$k-$p"
+  for spec in ${TRACES:-ngram,64,fastapply ngram,8,fastapply mtp,3,fastapply ngram,64,random ngram,64,random,1.0}; do
+    IFS=, read -r d k p t <<<"$spec"
+    name="${d//:/-}-k$k-$p${t:+-t$t}"
     in_variant fork timeout "${TRACE_TIMEOUT:-240}" python3 -m harness.traces record \
       --drafter "$d" --k "$k" --prompts "$p" --batch 8 --n 64 \
+      --temperature "${t:-0}" \
       --out "$OUT/traces/$name.jsonl" > "$OUT/logs/trace-$name.log" 2>&1
     python3 -m harness.traces summary "$OUT/traces/$name.jsonl" 2>&1 | tail -1
   done
@@ -91,7 +94,7 @@ import sys
 from harness.traces import load
 print(max(1, min(64, max((d for t in load(sys.argv[1])[1] for d, _ in t), default=1))))" "$trace")
   bench=(--trace "$trace" --scripted-k "$k" --batch-sizes "${REPLAY_BS:-1,8,32,64}"
-         --tokens "${REPLAY_TOKENS:-256}")
+         --tokens "${REPLAY_TOKENS:-256}" --rounds "${REPLAY_ROUNDS:-4}")
   in_variant fork python3 -m benchmarks.side_by_side --modes "${REPLAY_MODES:-none,scripted70}" \
     --out "$OUT/replay-$name" --run "trace-$name" --deadline $((end - SECONDS)) \
     -- "${bench[@]}"

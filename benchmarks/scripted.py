@@ -82,8 +82,10 @@ class Plan:
     calls: int = 0  # propose() calls with at least one scripted row
     diverged: set[int] = field(default_factory=set)  # rows off the reference
     # recorded (drafts, accepted) per step of each request (harness.traces):
-    # request row r replays trace r mod len(traces), its steps in a cycle
+    # request row r replays trace (r + trace_offset) mod len(traces), its
+    # steps in a cycle
     traces: list[list[list[int]]] | None = None
+    trace_offset: int = 0
     # a per-request draft-length policy (the fork's AcceptanceDraftLength:
     # observe(req_ids, drafts, sampled, scheduled), num_drafts(req_id, n))
     # that cuts each step's drafts, fed with this plan's own rows
@@ -92,7 +94,7 @@ class Plan:
 
     def schedule(self, ctx: StepContext) -> tuple[int, int]:
         if self.traces:
-            trace = self.traces[ctx.row % len(self.traces)]
+            trace = self.traces[(ctx.row + self.trace_offset) % len(self.traces)]
             drafts, accepted = trace[ctx.step % len(trace)]
             n = min(drafts, ctx.k)
             return n, min(accepted, n)
@@ -123,10 +125,11 @@ def make_plan(
     vocab_size: int,
     traces: list[list[list[int]]] | None = None,
     policy: object | None = None,
+    trace_offset: int = 0,
 ) -> Plan:
     """The run's plan: drafts at ``rate``, or replaying ``traces`` (any
-    ``k``: the hash draws of ``rate`` are not used), each step's drafts cut
-    by ``policy`` where given."""
+    ``k``: the hash draws of ``rate`` are not used) from ``trace_offset`` on,
+    each step's drafts cut by ``policy`` where given."""
     script = Script(
         {
             "schedule": "random",  # replaced by Plan.schedule
@@ -145,7 +148,15 @@ def make_plan(
             raise ValueError(f"prompts need distinct heads of {HEAD} tokens")
         by_head[head] = i
     p = 0.0 if traces else prefix_probability(rate, k)
-    return Plan(script, rate, p, by_head, traces=traces, policy=policy)
+    return Plan(
+        script,
+        rate,
+        p,
+        by_head,
+        traces=traces,
+        policy=policy,
+        trace_offset=trace_offset,
+    )
 
 
 def activate(plan: Plan | None) -> Plan | None:

@@ -115,11 +115,21 @@ def summary(traces: list[list[list[int]]]) -> dict:
 
 
 def record_run(
-    drafter: str, k: int, batch: int, n: int, prompts: str, seed: int, max_tokens: int
+    drafter: str,
+    k: int,
+    batch: int,
+    n: int,
+    prompts: str,
+    seed: int,
+    max_tokens: int,
+    temperature: float = 0.0,
 ) -> tuple[dict[str, list[list[int]]], dict]:
     """Run the fast-apply fixture with a drafter (V1, in-process) on its
     held-out prompts (``fastapply``: much to copy) or on random token
-    prompts (``random``: little to copy) and record the traces."""
+    prompts (``random``) and record the traces. The fixture's greedy
+    answers repeat themselves, so n-gram finds much to copy even on random
+    prompts; ``temperature`` > 0 samples the answers (seeded per request),
+    which leaves the drafts little to match: a low-acceptance trace."""
     import os
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -144,12 +154,18 @@ def record_run(
         ps = make_prompts(n, seed, lo=100, hi=300)
     llm = _engine(cell, str(FASTAPPLY_DIR))
     try:
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         with record(llm) as rec:
             for i in range(0, len(ps), batch):
                 llm.generate(
                     [TokensPrompt(prompt_token_ids=p) for p in ps[i : i + batch]],
-                    sp,
+                    [
+                        SamplingParams(
+                            temperature=temperature,
+                            seed=seed + j if temperature > 0 else None,
+                            max_tokens=max_tokens,
+                        )
+                        for j in range(i, min(i + batch, len(ps)))
+                    ],
                     use_tqdm=False,
                 )
     finally:
@@ -163,6 +179,7 @@ def record_run(
         "n": n,
         "seed": seed,
         "max_tokens": max_tokens,
+        "temperature": temperature,
         "vllm": compat.version_str(),
     }
     return rec.traces, meta
@@ -181,13 +198,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", choices=["fastapply", "random"], default="fastapply")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="> 0: sampled answers (seeded), little for n-gram to copy",
+    )
     p.add_argument("--out", required=True)
     p = sub.add_parser("summary", help="acceptance of a trace file")
     p.add_argument("path")
     a = ap.parse_args(argv)
     if a.cmd == "record":
         traces, meta = record_run(
-            a.drafter, a.k, a.batch, a.n, a.prompts, a.seed, a.max_tokens
+            a.drafter,
+            a.k,
+            a.batch,
+            a.n,
+            a.prompts,
+            a.seed,
+            a.max_tokens,
+            a.temperature,
         )
         write(traces, Path(a.out), meta)
         print(json.dumps({**meta, **summary(list(traces.values()))}))

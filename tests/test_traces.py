@@ -125,3 +125,16 @@ def test_a_trace_replay_takes_draft_lengths_above_the_hash_limit():
         [list(range(8))], [[1, 2]], 0.7, 64, 0, 100, traces=[[[64, 10]]]
     )
     assert plan.schedule(StepContext(0, 0, 0, 9, 64, 16, 0)) == (64, 10)
+
+
+def test_a_trace_offset_moves_every_row_to_later_traces():
+    plan = scripted.Plan(
+        script=None,
+        rate=0.7,
+        p=0.0,
+        by_head={},
+        traces=[[[4, 1]], [[5, 2]], [[6, 3]]],
+        trace_offset=2,
+    )
+    ctx = [StepContext(r, 0, 0, 10, 8, 16, 0) for r in range(3)]
+    assert [plan.schedule(c) for c in ctx] == [(6, 3), (4, 1), (5, 2)]
