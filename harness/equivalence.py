@@ -560,11 +560,17 @@ def generate(cell: Cell, model_dir: str, waves, logprobs: int | None,
 
 
 def teacher_forced(
-    model: str, dtype: str, model_dir: str, seqs, kv_cache_dtype: str = "auto"
+    model: str,
+    dtype: str,
+    model_dir: str,
+    seqs,
+    kv_cache_dtype: str = "auto",
+    chunked: bool = False,
 ):
     """Reference top-2 at every continuation position of each
     ``(prompt, continuation)``: one non-speculative prefill with
-    ``prompt_logprobs=2``."""
+    ``prompt_logprobs=2``; ``chunked``: prefilled in chunks of
+    ``PLP_CHUNK`` tokens (``plp_chunk_cell``), the context floor's pass."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -574,6 +580,8 @@ def teacher_forced(
         extra["max_model_len"] = -(-(longest + 1) // 16) * 16
     cell = Cell(model, "none", 0, len(seqs), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                 extra=extra)  # fmt: skip
+    if chunked:
+        cell = plp_chunk_cell(cell)
     llm = _engine(cell, model_dir)
     try:
         # top-k (harness.oracle.TOPK) for the drift oracle; top-2 for verify
@@ -596,6 +604,32 @@ def teacher_forced(
             ]
         )
     return result
+
+
+def context_pass(model, dtype, model_dir, kv, items, seqs, owners):
+    """The context floor's second teacher-forced pass (``harness.oracle``):
+    the sequences of the sampled, unconstrained cells among ``items``
+    prefilled in chunks. Returns ({(cell index, sequence index): positions},
+    None), or ({}, the error) where the pass failed: those cells are then
+    judged by the plain floor, which is never the looser one."""
+    want = {
+        j
+        for j, (row, *_, rkey) in enumerate(items)
+        if row.get("sampling") and not constrained(rkey[7])
+    }
+    keys = [(key, i) for kind, key, i in owners if kind == "cell" and key in want]
+    if not keys:
+        return {}, None
+    picked = [
+        s
+        for s, (kind, key, _) in zip(seqs, owners, strict=True)
+        if kind == "cell" and key in want
+    ]
+    try:
+        out = teacher_forced(model, dtype, model_dir, picked, kv, chunked=True)
+    except Exception as e:  # noqa: BLE001
+        return {}, "".join(traceback.format_exception_only(type(e), e)).strip()
+    return dict(zip(keys, out, strict=True)), None
 
 
 def prompt_lps(outs) -> list[tuple[list[int], list]]:
@@ -973,6 +1007,8 @@ def run_cells(
             for row, *_ in items:
                 _error_row(row, e)
             continue
+        ctx_forced, ctx_error = context_pass(model, dtype, model_dir, kv, items,
+                                             seqs, owners)  # fmt: skip
         worst = worst_constrained = 0.0
         for (kind, key, i), pos in zip(owners, forced, strict=True):
             if kind == "ref":
@@ -987,6 +1023,8 @@ def run_cells(
         summaries = [CellSummary() for _ in items]
         floor = oracle.Floor()
         drifts = [oracle.CellDrift() for _ in items]
+        # the context floor of each sampled cell (harness.oracle)
+        ctx_floors = {key: oracle.Floor() for key, _ in ctx_forced}
         for (kind, key, i), pos, (_, cand) in zip(owners, forced, seqs, strict=True):
             forced_lps = [q.logprobs for q in pos]
             if kind == "ref":
@@ -1006,13 +1044,18 @@ def run_cells(
                     summaries[key].add_verification(i, v)
                     continue
                 drifts[key].add(i, cand_lps[id(row)][i], forced_lps, cand)
+                if (key, i) in ctx_forced:
+                    ctx_lps = [q.logprobs for q in ctx_forced[key, i]]
+                    ctx_floors[key].add(ctx_lps, forced_lps, cand)
                 if row.get("sampling"):
                     v = sampled.verify_support(pos, cand, row["sampling"], margin)
                 else:
                     ref_toks = refs[items[key][3]][1][i]
                     v = verify(pos, cand, margin, ref_tokens=ref_toks)
                 summaries[key].add_verification(i, v)
-        for (row, *_, rkey), s, d in zip(items, summaries, drifts, strict=True):
+        for j, ((row, *_, rkey), s, d) in enumerate(
+            zip(items, summaries, drifts, strict=True)
+        ):
             c = constrained(rkey[7])
             row.update(
                 prompts=s.prompts,
@@ -1026,7 +1069,18 @@ def run_cells(
                 tie_margin=round(margin_c if c else margin, 4),
                 noise=round(worst_c if c else worst, 4),
             )
-            row.update(d.judge(floor, dtype))
+            if j in ctx_floors:
+                ctx = ctx_floors[j]
+                row.update(d.judge(floor.merged(ctx), dtype))
+                row.update(
+                    drift_context_floor=oracle._r(ctx.token),
+                    drift_context_topk_floor=oracle._r(ctx.topk),
+                    drift_context_floor_positions=ctx.positions,
+                )
+            else:
+                row.update(d.judge(floor, dtype))
+                if ctx_error and row.get("sampling") and not c:
+                    row["drift_context_floor_error"] = ctx_error
             if row["drift_violations"] and oracle.enforced():
                 row["status"] = "diverged"
             if rkey in ref_plps and id(row) in cand_plps:

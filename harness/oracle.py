@@ -32,6 +32,16 @@ acceptance does not follow the target (synthetic acceptance), also emits
 tokens of log-probability -3 or -10, which carry the logits' noise as the
 floor's top-k entries of that size do.
 
+Context floor (sampled cells): a sampled candidate emits tokens the
+non-speculative runs never emit, and judges its drift in contexts the floor
+runs never saw; there a flatter distribution puts more entries in the range
+where logits round coarsely. Its own tokens are teacher-forced a second
+time, prefilled in chunks (``harness.equivalence.CTX_CHUNK``), and the drift
+of that prefill from the reference's, at the candidate's positions, is
+added to the floor of that cell (``Floor.merged``). Both are
+non-speculative prefills of the same tokens: a speculative bug moves the
+candidate, never its context floor.
+
 Threshold (``threshold``): ``factor * max(floor, eps(dtype))``, and never
 below the floor plus two rounding steps at the position's magnitude
 (``allowance``). The factor
@@ -227,6 +237,19 @@ class Floor:
     def add(self, gen: Sequence[LP], forced: Sequence[LP], tokens: Sequence[int]):
         if _complete(gen, forced, tokens):
             self._add(sequence_drift(gen, forced, tokens))
+
+    def merged(self, other: Floor) -> Floor:
+        """The floor of both samples together: each largest drift of
+        either, over all their positions."""
+        by_mag = dict(self.by_mag)
+        for b, v in other.by_mag.items():
+            by_mag[b] = max(by_mag.get(b, 0.0), v)
+        return Floor(
+            max(self.token, other.token),
+            max(self.topk, other.topk),
+            self.positions + other.positions,
+            by_mag,
+        )
 
     def add_pair(self, a: Sequence[LP], b: Sequence[LP], ta, tb) -> None:
         """Two non-speculative runs of one prompt, up to and including their

@@ -503,3 +503,60 @@ def test_run_cells_judges_every_completion_of_an_n2_cell(
     waves = 2 if cache_mode == "align" else 1
     assert row["status"] == "ok", row.get("error")
     assert row["prompts"] == 8 * waves and row["tokens"] == 8 * 24 * waves
+
+
+def _run_sampled(
+    monkeypatch, tmp_path, spec_noise, ctx_noise, bump=None, ctx_fails=False
+):
+    """One sampled cell; the speculative engine and the context floor's
+    chunked teacher-forced pass with noise of their own, every other
+    engine 1e-3."""
+    from harness import equivalence as eq
+    from harness import models
+
+    def engine(cell, d):
+        if cell.chunked:
+            if ctx_fails:
+                raise RuntimeError("no chunked engine here")
+            return FakeLLM(cell, noise=ctx_noise)
+        if cell.drafter != "none":
+            return FakeLLM(cell, noise=spec_noise, bump=bump)
+        return FakeLLM(cell, noise=1e-3)
+
+    monkeypatch.setattr(eq, "_engine", engine)
+    monkeypatch.setattr(eq, "_shutdown", lambda llm: None)
+    monkeypatch.setattr(models, "write_model", lambda kind, out, seed=0: out)
+    cells = [eq.Cell("qwen3_5", "ngram", 5, 4, max_tokens=24, sampling="t1")]
+    (row,) = eq.run_cells(cells, tmp_path, n_prompts=4, seed=0)
+    return row
+
+
+def test_a_sampled_cell_is_judged_with_the_context_floor_of_its_own_tokens(
+    monkeypatch, tmp_path
+):
+    """A sampled candidate's drift is judged against the greedy floor and
+    the drift of a second, chunked prefill of its own tokens: drift that
+    two non-speculative prefills show in the candidate's contexts is noise
+    there. Without that floor the same drift fails; a change of the
+    candidate's own distribution (a lowered third choice) still fails with
+    it, since both prefills are non-speculative."""
+    noisy = _run_sampled(monkeypatch, tmp_path, spec_noise=0.05, ctx_noise=0.05)
+    assert noisy["status"] == "ok", noisy
+    assert noisy["drift_context_floor_positions"] == noisy["drift_positions"] > 0
+    # the same candidate where the prefills agree: the greedy floor alone
+    quiet = _run_sampled(monkeypatch, tmp_path, spec_noise=0.05, ctx_noise=1e-3)
+    assert quiet["status"] == "diverged" and quiet["drift_violations"] > 0
+    assert noisy["drift_context_topk_floor"] > 10 * quiet["drift_context_topk_floor"]
+    # a real change is not hidden by a context floor of the same tokens
+    row = _run_sampled(monkeypatch, tmp_path, spec_noise=1e-3, ctx_noise=1e-3,
+                       bump=(10, 0.5))  # fmt: skip
+    assert row["status"] == "diverged" and row["drift_violations"] > 0
+    assert row["drift_context_topk_floor"] < 0.05 < row["drift_topk_max"]
+
+
+def test_a_failed_context_pass_leaves_the_plain_floor(monkeypatch, tmp_path):
+    row = _run_sampled(monkeypatch, tmp_path, spec_noise=0.05, ctx_noise=0.05,
+                       ctx_fails=True)  # fmt: skip
+    assert row["status"] == "diverged"
+    assert "no chunked engine" in row["drift_context_floor_error"]
+    assert "drift_context_floor" not in row
