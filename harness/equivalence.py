@@ -664,37 +664,48 @@ def reference_parallel(cell: Cell) -> dict:
 
 # the prompt-logprob floor of chunked candidates: the reference's prompts
 # prefilled without speculation in chunks of this many tokens (the
-# fuzzer's smallest budget, harness.fuzz.BUDGETS)
+# fuzzer's smallest budget, harness.fuzz.BUDGETS), and in chunks of
+# PLP_CHUNK_SMALL: a candidate's verify rows take part of its budget, so its
+# prompts go in smaller chunks than the budget (4-12 tokens at a budget of
+# 16 beside n-gram verify rows)
 PLP_CHUNK = 16
+PLP_CHUNK_SMALL = 4
 
 
-def plp_chunk_cell(ref_cell: Cell) -> Cell:
+def plp_chunk_cell(ref_cell: Cell, chunk: int = PLP_CHUNK) -> Cell:
     """``ref_cell`` (a non-speculative reference) with chunked prefill at a
-    budget of ``PLP_CHUNK`` tokens (vLLM takes no budget below
-    ``max_num_seqs``)."""
-    budget = max(PLP_CHUNK, ref_cell.batch)
+    budget of ``chunk`` tokens. vLLM takes no budget below ``max_num_seqs``:
+    a chunk below the reference's batch runs ``chunk`` sequences at a
+    time."""
     extra = {**ref_cell.extra, "enable_chunked_prefill": True,
-             "max_num_batched_tokens": budget}  # fmt: skip
+             "max_num_batched_tokens": max(chunk, 1)}  # fmt: skip
+    if chunk < ref_cell.batch:
+        extra["max_num_seqs"] = chunk
     return replace(ref_cell, chunked=True, extra=extra)
 
 
-def plp_shape_cell(ref_cell: Cell, cell: Cell) -> Cell | None:
-    """The non-speculative run of a "plp" reference's prompts in candidate
+def plp_shape_cells(ref_cell: Cell, cell: Cell) -> list[Cell]:
+    """The non-speculative runs of a "plp" reference's prompts in candidate
     ``cell``'s prefill shape, the floor of its prompt logprobs
-    (``judge_prompt_lps``): prefilled in chunks of ``PLP_CHUNK`` tokens
-    where ``cell`` prefills in chunks (``plp_chunk_cell``), and with
-    ``cell``'s runner and compilation where it is compiled. None where that
-    shape is the reference's own (unchunked, eager). A compiled target
-    rounds a prompt's logits otherwise than the eager reference: a compiled
-    fast-apply candidate's prompt logprobs moved by 0.6 nats against it,
-    with or without speculation's drafts accepted, and by 2e-6 eager."""
+    (``judge_prompt_lps``): prefilled in chunks of ``PLP_CHUNK`` and of
+    ``PLP_CHUNK_SMALL`` tokens where ``cell`` prefills in chunks
+    (``plp_chunk_cell``), and with ``cell``'s runner and compilation where
+    it is compiled. None where that shape is the reference's own
+    (unchunked, eager). A compiled target rounds a prompt's logits otherwise
+    than the eager reference: a compiled fast-apply candidate's prompt
+    logprobs moved by 0.6 nats against it, with or without speculation's
+    drafts accepted, and by 2e-6 eager."""
     chunked = chunked_prefill(cell.key())
     if not chunked and cell.graphs == "eager":
-        return None
-    out = plp_chunk_cell(ref_cell) if chunked else ref_cell
+        return []
+    outs = (
+        [plp_chunk_cell(ref_cell, c) for c in (PLP_CHUNK, PLP_CHUNK_SMALL)]
+        if chunked
+        else [ref_cell]
+    )
     if cell.graphs != "eager":
-        out = replace(out, runner=cell.runner, graphs=cell.graphs)
-    return out
+        outs = [replace(o, runner=cell.runner, graphs=cell.graphs) for o in outs]
+    return outs
 
 
 def chunked_prefill(row: dict) -> bool:
@@ -712,7 +723,7 @@ def judge_prompt_lps(
     floor_run,
     dtype: str,
     path_floor: oracle.Floor | None = None,
-    shape_run=None,
+    shape_runs=(),
 ) -> dict:
     """The drift oracle on prompt logprobs: the candidate's against the
     reference's, position by position, within the noise between the
@@ -725,15 +736,16 @@ def judge_prompt_lps(
     the token budget, so its prompts are chunked elsewhere), so that floor
     alone would call that engine's rounding a drift.
 
-    ``shape_run``, for a candidate that prefills in chunks or is compiled:
+    ``shape_runs``, for a candidate that prefills in chunks or is compiled:
     the reference's prompts prefilled without speculation in that shape
-    (``plp_shape_cell``: in small chunks, ``PLP_CHUNK``, and compiled as the
-    candidate is). A prompt's logprobs then come from chunk-by-chunk
+    (``plp_shape_cells``: in small chunks, ``PLP_CHUNK`` and
+    ``PLP_CHUNK_SMALL``, and compiled as the candidate is). A prompt's
+    logprobs then come from chunk-by-chunk
     recurrent-state and attention kernels, or from compiled ones, whose
     rounding differs from one eager prefill's by more than any other floor
     holds (a chunked fast-apply candidate's prompt logprobs moved by up to
     0.7 nats while its generated tokens matched to 1e-5); that run's
-    difference from the reference is the floor.
+    differences from the reference are the floor.
 
     A prompt that is not the reference's (a later turn that continues an
     answer which went the other way at a tie) is compared up to its first
@@ -743,9 +755,10 @@ def judge_prompt_lps(
     floor = oracle.Floor()
     for (toks, r), (_, f) in zip(ref, floor_run, strict=True):
         floor.add(r, f, toks)
-    for (toks, r), (ctoks, c) in zip(ref, shape_run or [], strict=False):
-        if ctoks == toks:
-            floor.add(r, c, toks)
+    for shape_run in shape_runs:
+        for (toks, r), (ctoks, c) in zip(ref, shape_run, strict=False):
+            if ctoks == toks:
+                floor.add(r, c, toks)
     if path_floor is not None:
         floor.token = max(floor.token, path_floor.token)
         floor.topk = max(floor.topk, path_floor.topk)
@@ -854,12 +867,12 @@ def run_cells(
     cand_lps: dict[int, list] = {}
     # "plp" cells: rkey -> (prompt logprobs of the reference, of its floor
     # run); id(row) -> the candidates', and the key of the reference's run
-    # in the candidate's prefill shape (plp_shape_cell) in shape_plps
+    # in the candidate's prefill shapes (plp_shape_cells) in shape_plps
     ref_plps: dict[tuple, tuple] = {}
     cand_plps: dict[int, list] = {}
     ref_cells: dict[tuple, Cell] = {}
     shape_plps: dict[tuple, list] = {}
-    shape_of: dict[int, tuple] = {}
+    shape_of: dict[int, list[tuple]] = {}
     models: dict[str, str] = {}
     for n_done, cell in enumerate(cells):
         t0 = time.time()
@@ -943,15 +956,15 @@ def run_cells(
             cand_lps[id(row)] = oracle.output_lps(outs)
             if cell.request == "plp":
                 cand_plps[id(row)] = prompt_lps(outs)
-                shape = plp_shape_cell(ref_cells[rkey], cell)
-                if shape is not None:
+                for shape in plp_shape_cells(ref_cells[rkey], cell):
                     # the same prompts without speculation in this
                     # candidate's prefill shape: its prompt-logprob floor
-                    skey = (rkey, shape.runner, shape.graphs, shape.chunked)
+                    budget = shape.extra.get("max_num_batched_tokens")
+                    skey = (rkey, shape.runner, shape.graphs, shape.chunked, budget)
                     if skey not in shape_plps:
                         souts, _ = generate(shape, model_dir, waves, oracle.TOPK)
                         shape_plps[skey] = prompt_lps(souts)
-                    shape_of[id(row)] = skey
+                    shape_of.setdefault(id(row), []).append(skey)
             row["accept"] = metrics or None
             if cell.preempt:
                 row["preemptions"] = metrics.get("vllm:num_preemptions")
@@ -1091,7 +1104,7 @@ def run_cells(
                     floor_run,
                     dtype,
                     path_floor=floor,
-                    shape_run=shape_plps.get(shape_of.get(id(row), ())),
+                    shape_runs=[shape_plps[k] for k in shape_of.get(id(row), [])],
                 )
                 row.update(judged)
                 if judged["prompt_drift_violations"] and oracle.enforced():

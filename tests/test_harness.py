@@ -1415,6 +1415,45 @@ def test_a_chunked_candidates_prompt_logprobs_are_judged_by_a_chunked_prefill(
     assert eq.chunked_prefill({"chunked": True})
 
 
+def test_a_chunked_candidates_prompt_floor_takes_chunks_smaller_than_its_budget(
+    monkeypatch, tmp_path
+):
+    """A candidate's verify rows take part of its budget, so its prompts go
+    in chunks smaller than the budget: the prompt floor also prefills the
+    reference's prompts in chunks of PLP_CHUNK_SMALL (max_num_seqs lowered
+    to match, since vLLM takes no budget below it). Rounding that only the
+    small chunks show (0.5 nats here, 0.1 at chunks of 16) passes; without
+    the small-chunk run it would not."""
+    import harness.equivalence as eq
+
+    seen = []
+    small = eq.PLP_CHUNK_SMALL
+    shifts = {None: 0.0, eq.PLP_CHUNK: 0.1, small: 0.5}
+
+    def fake_generate(cell, model_dir, waves, logprobs, batches=None):
+        budget = cell.extra.get("max_num_batched_tokens")
+        seen.append((cell.drafter, budget, cell.extra.get("max_num_seqs")))
+        shift = shifts.get(budget)
+        if cell.drafter != "none":
+            shift = 0.45  # chunks of 4-12 beside verify rows
+        return [plp_output(p, shift) for w in waves for p in w], {}
+
+    fake_engines(monkeypatch, fake_generate)
+    chunked = {"enable_chunked_prefill": True, "max_num_batched_tokens": 16}
+    cell = eq.Cell("qwen3_5", "ngram", 8, 8, request="plp", max_tokens=3,
+                   extra=chunked)  # fmt: skip
+    (row,) = eq.run_cells([cell], tmp_path, n_prompts=8, seed=0)
+    assert ("none", small, small) in seen
+    assert ("none", eq.PLP_CHUNK, None) in seen
+    assert row["prompt_drift_violations"] == 0 and row["status"] == "ok", row
+    shapes = eq.plp_shape_cells(eq.Cell("qwen3_5", "none", 0, 8), cell)
+    assert [c.extra["max_num_batched_tokens"] for c in shapes] == [16, 4]
+    # the same candidate judged with the chunks of 16 alone
+    monkeypatch.setattr(eq, "PLP_CHUNK_SMALL", eq.PLP_CHUNK)
+    (row,) = eq.run_cells([cell], tmp_path / "b", n_prompts=8, seed=0)
+    assert row["prompt_drift_violations"] > 0 and row["status"] == "diverged"
+
+
 def test_a_compiled_candidates_prompt_logprobs_are_judged_by_a_compiled_prefill(
     monkeypatch, tmp_path
 ):
@@ -1450,7 +1489,7 @@ def test_a_compiled_candidates_prompt_logprobs_are_judged_by_a_compiled_prefill(
     assert rows[0]["prompt_drift_violations"] == 0 and rows[0]["status"] == "ok"
     assert rows[1]["prompt_drift_violations"] == 2 and rows[1]["status"] == "diverged"
     assert rows[2]["status"] == "ok"
-    assert eq.plp_shape_cell(eq.Cell("qwen3_5", "none", 0, 2), cells[2]) is None
+    assert eq.plp_shape_cells(eq.Cell("qwen3_5", "none", 0, 2), cells[2]) == []
 
 
 def test_prompt_logprob_floor_and_prompts_that_went_another_way():
