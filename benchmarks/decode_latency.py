@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mtp-k", type=int, default=3)
     ap.add_argument("--runner", choices=("v1", "mrv2"), default="v1")
     ap.add_argument(
+        "--cache-mode",
+        choices=("none", "align"),
+        default="none",
+        help="align: prefix caching with the recurrent state cached at block "
+        "boundaries (mamba_cache_mode='align' where the line takes it)",
+    )
+    ap.add_argument(
         "--kv-cache-dtype",
         default="auto",
         help="e.g. turboquant_k8v4 (TurboQuant prefill falls back to SDPA "
@@ -279,12 +286,17 @@ def engine_kwargs(a: argparse.Namespace, model_dir: str) -> dict:
         "gdn_prefill_backend": "triton",
         "language_model_only": True,
         "limit_mm_per_prompt": {"image": 0, "video": 0},
-        "enable_prefix_caching": False,
+        "enable_prefix_caching": a.cache_mode != "none",
         # synchronous steps: each timed step is one schedule + forward + sample
         # (n-gram and custom_class drafting turn async scheduling off anyway)
         "async_scheduling": False,
         "disable_log_stats": True,
     }
+    if a.cache_mode != "none":
+        from harness import compat
+
+        if compat.passes_mamba_cache_mode():
+            kw["mamba_cache_mode"] = a.cache_mode
     if a.kv_cache_dtype != "auto":
         kw["kv_cache_dtype"] = a.kv_cache_dtype
         # the cache dtype picks its attention backend (TurboQuant's own)
@@ -832,6 +844,7 @@ def run(a: argparse.Namespace) -> int:
         "draft_policy": a.draft_policy if a.mode == "scripted70" else None,
         "ref_iters": a.ref_iters if a.mode == "scripted70" else None,
         "runner": a.runner,
+        "cache_mode": a.cache_mode,
         "tq_cudagraph": a.tq_cudagraph,
         "env": {
             k: os.environ.get(k)

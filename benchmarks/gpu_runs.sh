@@ -14,6 +14,9 @@
 #   bash benchmarks/gpu_runs.sh mtp-mrv2 [DEADLINE_S]
 #       issue 5: MTP k=3 on Model Runner V2, fork vs upstream side by side
 #       (benchmarks.side_by_side): $OUT/mtp-mrv2
+#   bash benchmarks/gpu_runs.sh align-mtp [DEADLINE_S_PER_RUNNER]
+#       MTP k=3 with prefix caching in align mode, fork vs upstream side by
+#       side on V1 and on Model Runner V2: $OUT/align-mtp-{v1,mrv2}
 #   bash benchmarks/gpu_runs.sh traces
 #       record per-request draft/accept traces (harness.traces) of the real
 #       drafters on the trained fast-apply fixture and on random prompts,
@@ -72,6 +75,16 @@ mtp-mrv2)
     --modes mtp --out "$OUT/mtp-mrv2" --run mtp-mrv2 --deadline "${2:-540}" \
     -- --runner mrv2 --label mtp_mrv2 --mtp-k 3 --tokens 96
   ;;
+align-mtp)
+  # MTP k=3 with prefix caching in align mode (the fork copies recurrent
+  # state at block boundaries there), fork vs upstream, V1 then MRV2
+  for r in v1 mrv2; do
+    in_variant fork python3 -m benchmarks.side_by_side \
+      --modes mtp --out "$OUT/align-mtp-$r" --run "align-mtp-$r" \
+      --deadline "${2:-270}" \
+      -- --runner "$r" --cache-mode align --label "mtp_align_$r" --mtp-k 3 --tokens 96
+  done
+  ;;
 traces)
   mkdir -p "$OUT/traces"
   for spec in ${TRACES:-ngram,64,fastapply ngram,8,fastapply mtp,3,fastapply ngram,64,random ngram,64,random,1.0}; do
@@ -109,5 +122,5 @@ print(max(1, min(64, max((d for t in load(sys.argv[1])[1] for d, _ in t), defaul
   python3 -m benchmarks.configs_report "$OUT/replay-$name" --baseline none \
     --out "$OUT/replay-$name" --run "speedup-$name" 2>&1 | tail -3
   ;;
-*) echo "usage: $0 profile|tq|mtp-mrv2|traces|replay ..."; exit 2 ;;
+*) echo "usage: $0 profile|tq|mtp-mrv2|align-mtp|traces|replay ..."; exit 2 ;;
 esac

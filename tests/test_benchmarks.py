@@ -1132,3 +1132,18 @@ def test_configs_report_takes_each_variants_speedup_over_its_own_baseline(tmp_pa
         "| scripted70/fork | 8 | 5.000 | 200 |" in md
         and "| 6 | 0.50 | 2.00x | 2.00x |" in md
     )
+
+
+def test_align_mode_turns_prefix_caching_on_and_names_the_mode_where_taken(
+    monkeypatch,
+):
+    from harness import compat
+
+    a = dl.parse_args(["--mode", "mtp", "--out", "x.json"])
+    assert dl.engine_kwargs(a, "/m")["enable_prefix_caching"] is False
+    a = dl.parse_args(["--mode", "mtp", "--out", "x.json", "--cache-mode", "align"])
+    monkeypatch.setattr(compat, "passes_mamba_cache_mode", lambda: True)  # v0.26.0
+    kw = dl.engine_kwargs(a, "/m")
+    assert kw["enable_prefix_caching"] is True and kw["mamba_cache_mode"] == "align"
+    monkeypatch.setattr(compat, "passes_mamba_cache_mode", lambda: False)  # v0.33.0
+    assert "mamba_cache_mode" not in dl.engine_kwargs(a, "/m")
