@@ -13,6 +13,10 @@
 #   soak-mtp    MTP k=3 (the fixture's trained head), the same load
 #   fault-mtp   MTP k=3, SOAK_FAULT_REQUESTS requests; after a third of them
 #               completed, its engine core is SIGKILLed; restart and replay
+#   dp2-ngram   n-gram k=64 with --data-parallel-size 2 (two engine cores,
+#   dp2-mtp     one GPU each: CUDA_VISIBLE_DEVICES with two GPUs), resp. MTP
+#               k=3, SOAK_DP_REQUESTS requests, against the reference at
+#               DP=1 (every greedy answer compared as in the soaks)
 #
 # Every server: chunked prefill with a per-step budget of 512 tokens, prefix
 # caching (align mode for the fixture's Gated DeltaNet layers), a KV pool
@@ -74,7 +78,7 @@
 # when every run passed.
 #
 # Environment: SOAK_CLIENTS (256), SOAK_DURATION (300), SOAK_FAULT_REQUESTS
-# (3000), SOAK_KV_NGRAM (1.2e8), SOAK_NGRAM_BUDGET (1024), SOAK_KV_MTP
+# (3000), SOAK_DP_REQUESTS (2000), SOAK_KV_DP (4e8), SOAK_KV_NGRAM (1.2e8), SOAK_NGRAM_BUDGET (1024), SOAK_KV_MTP
 # (2.5e7), SOAK_MAX_SEQS (64), SOAK_LONG_TOKENS (3072; 0: no long requests),
 # SOAK_DEADLINE (540: the
 # load stops 120 s before it, then the checks),
@@ -98,6 +102,8 @@ KV_MTP=${SOAK_KV_MTP:-2.5e7}
 SEQS=${SOAK_MAX_SEQS:-64}
 LONG=${SOAK_LONG_TOKENS:-3072}
 DEADLINE=${SOAK_DEADLINE:-540}
+KV_DP=${SOAK_KV_DP:-4e8}
+DP_REQUESTS=${SOAK_DP_REQUESTS:-2000}
 RUNS=${SOAK_RUNS:-soak-ngram soak-mtp fault-mtp}
 ENVF=${SOAK_BUNDLE_ENV:-/tmp/hybridspec/env.sh}
 PY=${PYTHON:-python3}
@@ -126,6 +132,8 @@ declare -A ARGS=(
   [soak-ngram]="--server cand=ngram --kv-bytes $KV_NGRAM --duration $DURATION --expect-preemption --bad-requests --long-tokens $LONG --server-args cand=--max-num-batched-tokens=$NGRAM_BUDGET --port 8400"
   [soak-mtp]="--server cand=mtp --kv-bytes $KV_MTP --duration $DURATION --expect-preemption --port 8500"
   [fault-mtp]="--server cand=mtp --kv-bytes $KV_MTP --duration 0 --requests $FAULT_REQUESTS --fault kill-engine --kill-after $((FAULT_REQUESTS / 3)) --port 8600"
+  [dp2-ngram]="--server cand=ngram --kv-bytes $KV_DP --duration 0 --requests $DP_REQUESTS --server-args cand=--data-parallel-size=2 --port 8700"
+  [dp2-mtp]="--server cand=mtp --kv-bytes $KV_DP --duration 0 --requests $DP_REQUESTS --server-args cand=--data-parallel-size=2 --port 8800"
 )
 # SOAK_ARGS: more soak arguments for every run (the last of an option wins;
 # the CPU dry run passes a fake server and a request count)

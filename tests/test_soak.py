@@ -316,6 +316,33 @@ def test_gpu_soak_script_runs_pool_sizes_side_by_side(tmp_path):
     assert len(ports) == 2
 
 
+def test_gpu_soak_script_data_parallel_runs(tmp_path):
+    """dp2-ngram and dp2-mtp: the candidate server with
+    --data-parallel-size 2 against the reference at DP=1, by request count,
+    each on its own ports and with a fixed pool (engines share the GPUs)."""
+    import json
+    import tarfile
+
+    out = tmp_path / "out"
+    extra = (
+        "--requests 12 --pool 6 --max-tokens 20 --sample-s 100000 --replay 4 "
+        f"--vllm-cmd '{FAKE}'"
+    )
+    proc = _gpu_soak(
+        tmp_path, "data parallel", extra,
+        SOAK_RUNS="dp2-ngram dp2-mtp", SOAK_CLIENTS="2",
+        SOAK_DEADLINE="100000", SOAK_STAGGER="0",
+        SOAK_PORT_BASE=str(free_port()),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert (out / "SOAK.md").read_text().count("# Soak: PASS") == 2
+    for run in ("dp2-ngram", "dp2-mtp"):
+        with tarfile.open(out / f"{run}.tgz") as tar:
+            cfg = json.load(tar.extractfile(f"{run}/soak.json"))["config"]
+        assert "cand=--data-parallel-size=2" in cfg["server_args"]
+        assert cfg["duration"] == 0 and str(cfg["kv_bytes"]) == "4e8"
+
+
 def test_gpu_soak_script_ends_by_its_deadline_when_a_server_never_starts(tmp_path):
     """A candidate that never answers /health: every run ends by
     SOAK_DEADLINE (counted from the script's start, a run started later
