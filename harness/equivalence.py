@@ -42,6 +42,8 @@ FASTAPPLY = "fastapply"
 # (draft_model: the target without MTP layers; draft_model:dense: an
 # attention-only draft model; eagle3: an EAGLE-3 head)
 DRAFTER_DIR = "<written beside the cell's model>"
+# the drafters whose checkpoint run_cells writes (write_drafter)
+DRAFT_MODELS = ("draft_model", "draft_model:dense", "eagle", "eagle3", "dflash")
 FASTAPPLY_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "fastapply"
 # the Qwen3.5 fixture with the published models' GDN head size, 128
 # (harness.models.qwen3_5_config): FlashInfer's GDN prefill takes no other
@@ -331,6 +333,7 @@ def write_drafter(cell: Cell, model_dir: str, seed: int) -> None:
     model folder."""
     from .models import (
         write_dense_draft,
+        write_dflash_head,
         write_eagle3_head,
         write_eagle_head,
         write_model,
@@ -346,9 +349,13 @@ def write_drafter(cell: Cell, model_dir: str, seed: int) -> None:
         write_model(kind, out, seed=seed, mtp=False, **dims)
     elif cell.drafter == "draft_model:dense":
         write_dense_draft(model_dir, out, seed=seed)
-    elif cell.drafter in ("eagle", "eagle3"):
+    elif cell.drafter in ("eagle", "eagle3", "dflash"):
         # the fast-apply fixture's head is shared by runs: always seed 0
-        write = write_eagle3_head if cell.drafter == "eagle3" else write_eagle_head
+        write = {
+            "eagle": write_eagle_head,
+            "eagle3": write_eagle3_head,
+            "dflash": write_dflash_head,
+        }[cell.drafter]
         write(model_dir, out, seed=0 if cell.model == FASTAPPLY else seed)
 
 
@@ -370,12 +377,13 @@ def spec_config(cell: Cell) -> dict | None:
         return config
     if cell.drafter == "mtp":
         return {"method": "mtp", "num_speculative_tokens": cell.k}
-    if cell.drafter in ("draft_model", "draft_model:dense", "eagle", "eagle3"):
+    if cell.drafter in DRAFT_MODELS:
         # draft_model: the fixture drafts for itself (a hybrid draft model
         # with recurrent state of its own); draft_model:dense: an
         # attention-only draft model that repeats the last token; eagle,
         # eagle3: an EAGLE-1 / EAGLE-3 head reading the target's hidden
-        # states. engine_kwargs puts
+        # states; dflash: a DFlash draft model (v0.33.0) reading them and
+        # drafting its k tokens in one pass. engine_kwargs puts
         # in the folder (drafter_dir) that run_cells writes.
         return {
             "method": cell.drafter.split(":")[0],
@@ -1205,6 +1213,12 @@ def slice_cells(name: str) -> list[Cell]:
         # EAGLE-1 drafting on a GDN hybrid (the head reads the target's last
         # hidden state): as eagle3-probe, without TurboQuant
         return _eagle_probe("eagle")
+    if name == "dflash-probe":
+        # DFlash drafting on a GDN hybrid (a random-weight DFlash draft
+        # model, harness.models.write_dflash_head: it reads the target's
+        # hidden states after three layers and drafts its k tokens in one
+        # pass over mask tokens): as eagle3-probe, without TurboQuant
+        return _eagle_probe("dflash")
     if name == "drafters-tq-probe":
         # TurboQuant KV cache with the drafters that read the target's
         # hidden states or bring their own attention layers: EAGLE-3 on MRV2
@@ -1506,9 +1520,10 @@ def slice_cells(name: str) -> list[Cell]:
 
 
 def _eagle_probe(drafter: str) -> list[Cell]:
-    """An EAGLE head (``drafter``: eagle or eagle3) for the random Qwen3.5
-    and the fast-apply model, both runners, none and align mode, async
-    scheduling; and on V1 with CUDA graphs."""
+    """A head reading the target's hidden states (``drafter``: eagle,
+    eagle3 or dflash) for the random Qwen3.5 and the fast-apply model, both
+    runners, none and align mode, async scheduling; and on V1 with CUDA
+    graphs."""
     return [
         Cell(m, drafter, 3, 8, r, cm, async_sched=True)
         for r in ("v1", "mrv2")

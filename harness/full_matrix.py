@@ -72,6 +72,7 @@ RUNS: dict[int, tuple[str, ...]] = {
         "mrv2-matrix-n:2",
         "draft-model-probe:2",
         "eagle3-probe:2",
+        "dflash-probe:2",
     ),
     5: (
         "requests:2",

@@ -1294,6 +1294,64 @@ def write_eagle3_head(
     return out
 
 
+def dflash_config(target_text: dict, target_layers: list[int]) -> dict:
+    """A DFlash draft model for a Qwen3.5 target (text config
+    ``target_text``), the checkpoint layout vLLM v0.33.0's
+    ``DFlashQwen3ForCausalLM`` loads (``DFlashDraftModel``): one Qwen3
+    decoder layer of the target's width whose query slots after the next
+    token are ``mask_token_id`` (drafted in one parallel pass), reading the
+    target's hidden states after the layers ``target_layers`` (DFlash counts
+    them from 0 before the first layer: vLLM adds 1)."""
+    vocab = target_text["vocab_size"]
+    return _head_config(target_text, "DFlashDraftModel", "qwen3") | {
+        "draft_vocab_size": vocab,
+        "target_hidden_size": target_text["hidden_size"],
+        # a word of the fixtures' vocabulary that no prompt draws (they
+        # draw from the low ids)
+        "dflash_config": {
+            "mask_token_id": vocab - 1,
+            "target_layer_ids": target_layers,
+        },
+    }
+
+
+def write_dflash_head(
+    target: str | Path, out: str | Path, seed: int = 0, std: float = 0.02
+) -> Path:
+    """Write a DFlash draft model (``dflash_config``, weights normal(0,
+    ``std``), norms 1) for the Qwen3.5 fixture in ``target`` into ``out``.
+    It shares the target's token embedding (vLLM shares it when the
+    checkpoint has none) and brings its own LM head. Random weights rarely
+    draft the target's token, as the EAGLE heads'."""
+    import torch
+    from safetensors.torch import save_file
+
+    text = json.loads((Path(target) / "config.json").read_text())["text_config"]
+    n = text["num_hidden_layers"]
+    cfg = dflash_config(text, [0, n // 2, n - 2])
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
+    g = torch.Generator().manual_seed(seed + 5)
+    shapes = _layer_shapes("layers.0", cfg, h) | {
+        "fc.weight": (h, 3 * h),
+        "lm_head.weight": (cfg["draft_vocab_size"], h),
+    }
+    tensors = {k: torch.randn(v, generator=g) * std for k, v in shapes.items()}
+    norms = {
+        "layers.0.input_layernorm.weight": h,
+        "layers.0.post_attention_layernorm.weight": h,
+        "layers.0.self_attn.q_norm.weight": hd,
+        "layers.0.self_attn.k_norm.weight": hd,
+        "hidden_norm.weight": h,
+        "norm.weight": h,
+    }
+    tensors.update({k: torch.ones(v) for k, v in norms.items()})
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
 def eagle_config(target_text: dict) -> dict:
     """An EAGLE (EAGLE-1) draft head for a Qwen3.5 target (text config
     ``target_text``): one Llama decoder layer of the target's width after

@@ -69,6 +69,7 @@ DRAFTERS: dict[str, str] = {
     "mtp": "MTP",
     "eagle3": "EAGLE-3",
     "eagle": "EAGLE-1",
+    "dflash": "DFlash",
     "draft_model:dense": "draft model (attention-only)",
     "draft_model": "draft model (hybrid)",
     "scripted": "scripted drafts (test drafter)",

@@ -29,6 +29,7 @@ from harness.models import (
     main,
     vllm_loads,
     write_dense_draft,
+    write_dflash_head,
     write_eagle3_head,
     write_eagle_head,
     write_model,
@@ -36,6 +37,7 @@ from harness.models import (
 
 EAGLE3 = "eagle3"  # a spec's arch: the EAGLE-3 head, built as vLLM resolves it
 EAGLE = "eagle"  # the EAGLE-1 head, likewise
+DFLASH = "dflash"  # the DFlash draft model (write_dflash_head), likewise
 DENSE_DRAFT = "Qwen3ForCausalLM"  # a spec's arch: the draft of write_dense_draft
 
 REPO = Path(__file__).resolve().parent.parent
@@ -231,6 +233,7 @@ def _vllm_specs():
     # attention-only draft model (harness.models.write_dense_draft)
     specs.append(("qwen3_5", EAGLE3, "bfloat16"))
     specs.append(("qwen3_5", EAGLE, "bfloat16"))
+    specs.append(("qwen3_5", DFLASH, "bfloat16"))
     specs.append(("qwen3_5", DENSE_DRAFT, "bfloat16"))
     # Qwen3.5 with GDN heads of 128 (the flashinfer slice's QWEN3_5_D128)
     q = FIXTURES["qwen3_5"]
@@ -260,8 +263,12 @@ def vllm_results(tmp_path_factory):
         path = tmp_dir / kind
         if not path.exists():
             _write_fixture(kind, path)
-        if arch in (EAGLE3, EAGLE):
-            write = write_eagle3_head if arch == EAGLE3 else write_eagle_head
+        if arch in (EAGLE3, EAGLE, DFLASH):
+            write = {
+                EAGLE3: write_eagle3_head,
+                EAGLE: write_eagle_head,
+                DFLASH: write_dflash_head,
+            }[arch]
             head = write(path, tmp_dir / f"{kind}-{arch}")
             specs.append([kind, f"{path}{os.pathsep}{head}", arch, dtype])
             continue
@@ -398,7 +405,7 @@ def _check(path: str, arch: str, dtype: str, init) -> dict:
     from harness.compat import mtp_needs_spec_config
 
     spec = None
-    if arch in (EAGLE3, EAGLE):
+    if arch in (EAGLE3, EAGLE, DFLASH):
         # "target<pathsep>head": the head is built under the target's config
         path, head = path.split(os.pathsep)
     mc = ModelConfig(
@@ -412,7 +419,7 @@ def _check(path: str, arch: str, dtype: str, init) -> dict:
             target_model_config=mc,
             target_parallel_config=ParallelConfig(),
         )
-    if arch in (EAGLE3, EAGLE):
+    if arch in (EAGLE3, EAGLE, DFLASH):
         spec = SpeculativeConfig(
             method=arch,
             model=head,
@@ -469,9 +476,13 @@ def _check(path: str, arch: str, dtype: str, init) -> dict:
         model, "has_own_lm_head", False
     ):
         shared = {"lm_head.weight"} - loaded
-    # an EAGLE head without a token embedding takes the target's
-    if arch.startswith("Eagle"):
+    # an EAGLE or DFlash head without a token embedding takes the target's
+    if arch.startswith(("Eagle", "DFlash")):
         shared = {"model.embed_tokens.weight"} - loaded
+    # DFlash reads its mask_embedding only from a mask_embedding.pt shipped
+    # beside the checkpoint (none here: the mask token's own embedding row)
+    if arch.startswith("DFlash"):
+        shared |= {"model.mask_embedding"} - loaded
     return {
         "unloaded": sorted(names - loaded - shared),
         "unexpected": sorted(loaded - names),
