@@ -1261,32 +1261,64 @@ def write_eagle3_head(
     rarely draft the target's token: its drafts test rejected and partly
     accepted verify steps."""
     import torch
-    from safetensors.torch import save_file
 
     text = json.loads((Path(target) / "config.json").read_text())["text_config"]
     n = text["num_hidden_layers"]
     cfg = eagle3_config(text, [0, n // 2, n - 1])
+    h = cfg["hidden_size"]
+    # EAGLE-3's layer reads the token embedding and the fc output together
+    shapes, norms = _qwen3_head("midlayer", cfg, 2 * h, "midlayer.hidden_norm")
+    from .compat import eagle3_same_vocab_d2t
+
+    extra = {}
+    if eagle3_same_vocab_d2t():
+        # the identity map (v0.33.0 has none for a same-vocabulary head)
+        extra["d2t"] = torch.zeros(cfg["draft_vocab_size"], dtype=torch.int64)
+    return _save_head(out, cfg, shapes, norms, seed + 3, std, extra)
+
+
+def _qwen3_head(prefix: str, cfg: dict, width: int, hidden_norm: str):
+    """(weight shapes, norm sizes) of a one-layer Qwen3 head reading three
+    of the target's hidden states through ``fc``: the layer ``prefix`` whose
+    attention reads ``width`` inputs, its q/k norms, the norm of the fc
+    output (``hidden_norm``), the final norm and an LM head of
+    ``draft_vocab_size``."""
     h, hd = cfg["hidden_size"], cfg["head_dim"]
-    g = torch.Generator().manual_seed(seed + 3)
-    shapes = _layer_shapes("midlayer", cfg, 2 * h) | {
+    shapes = _layer_shapes(prefix, cfg, width) | {
         "fc.weight": (h, 3 * h),
         "lm_head.weight": (cfg["draft_vocab_size"], h),
     }
-    tensors = {k: torch.randn(v, generator=g) * std for k, v in shapes.items()}
     norms = {
-        "midlayer.input_layernorm.weight": h,
-        "midlayer.hidden_norm.weight": h,
-        "midlayer.post_attention_layernorm.weight": h,
-        "midlayer.self_attn.q_norm.weight": hd,
-        "midlayer.self_attn.k_norm.weight": hd,
+        f"{prefix}.input_layernorm.weight": h,
+        f"{hidden_norm}.weight": h,
+        f"{prefix}.post_attention_layernorm.weight": h,
+        f"{prefix}.self_attn.q_norm.weight": hd,
+        f"{prefix}.self_attn.k_norm.weight": hd,
         "norm.weight": h,
     }
-    tensors.update({k: torch.ones(v) for k, v in norms.items()})
-    from .compat import eagle3_same_vocab_d2t
+    return shapes, norms
 
-    if eagle3_same_vocab_d2t():
-        # the identity map (v0.33.0 has none for a same-vocabulary head)
-        tensors["d2t"] = torch.zeros(cfg["draft_vocab_size"], dtype=torch.int64)
+
+def _save_head(
+    out: str | Path,
+    cfg: dict,
+    shapes: dict,
+    norms: dict,
+    seed: int,
+    std: float,
+    extra: dict | None = None,
+) -> Path:
+    """A draft head's checkpoint in ``out``: the tensors of ``shapes``
+    normal(0, ``std``) (drawn in that order from a generator seeded
+    ``seed``), those of ``norms`` ones, ``extra`` as given; and ``cfg`` as
+    its config.json."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {k: torch.randn(v, generator=g) * std for k, v in shapes.items()}
+    tensors.update({k: torch.ones(v) for k, v in norms.items()})
+    tensors.update(extra or {})
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -1323,33 +1355,11 @@ def write_dflash_head(
     It shares the target's token embedding (vLLM shares it when the
     checkpoint has none) and brings its own LM head. Random weights rarely
     draft the target's token, as the EAGLE heads'."""
-    import torch
-    from safetensors.torch import save_file
-
     text = json.loads((Path(target) / "config.json").read_text())["text_config"]
     n = text["num_hidden_layers"]
     cfg = dflash_config(text, [0, n // 2, n - 2])
-    h, hd = cfg["hidden_size"], cfg["head_dim"]
-    g = torch.Generator().manual_seed(seed + 5)
-    shapes = _layer_shapes("layers.0", cfg, h) | {
-        "fc.weight": (h, 3 * h),
-        "lm_head.weight": (cfg["draft_vocab_size"], h),
-    }
-    tensors = {k: torch.randn(v, generator=g) * std for k, v in shapes.items()}
-    norms = {
-        "layers.0.input_layernorm.weight": h,
-        "layers.0.post_attention_layernorm.weight": h,
-        "layers.0.self_attn.q_norm.weight": hd,
-        "layers.0.self_attn.k_norm.weight": hd,
-        "hidden_norm.weight": h,
-        "norm.weight": h,
-    }
-    tensors.update({k: torch.ones(v) for k, v in norms.items()})
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return out
+    shapes, norms = _qwen3_head("layers.0", cfg, cfg["hidden_size"], "hidden_norm")
+    return _save_head(out, cfg, shapes, norms, seed + 7, std)
 
 
 def eagle_config(target_text: dict) -> dict:
@@ -1370,21 +1380,12 @@ def write_eagle_head(
     LM head are the target's (vLLM shares them when the checkpoint has
     none). Random weights rarely draft the target's token, as the EAGLE-3
     head's (``write_eagle3_head``)."""
-    import torch
-    from safetensors.torch import save_file
-
     text = json.loads((Path(target) / "config.json").read_text())["text_config"]
     cfg = eagle_config(text)
     h = cfg["hidden_size"]
-    g = torch.Generator().manual_seed(seed + 5)
     shapes = _layer_shapes("layers.0", cfg, h) | {"fc.weight": (h, 2 * h)}
-    tensors = {k: torch.randn(v, generator=g) * std for k, v in shapes.items()}
-    tensors["layers.0.post_attention_layernorm.weight"] = torch.ones(h)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return out
+    norms = {"layers.0.post_attention_layernorm.weight": h}
+    return _save_head(out, cfg, shapes, norms, seed + 5, std)
 
 
 def dense_draft_config(vocab: int) -> dict:

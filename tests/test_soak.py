@@ -278,35 +278,46 @@ def test_gpu_soak_script_dry_run(tmp_path):
     }  # fmt: skip
 
 
-def test_gpu_soak_script_runs_pool_sizes_side_by_side(tmp_path):
-    """RUN@BYTES: the same soak with two pool sizes at once, each on its own
-    ports, with its own folder, archive and summary section, and its
-    servers given that pool."""
+def _soak_runs(tmp_path, what: str, extra: str, runs: list[str]):
+    """gpu_soak.sh with ``runs`` side by side against fake servers, by
+    request count: (SOAK.md, each run's soak.json config)."""
     import json
     import tarfile
 
     out = tmp_path / "out"
+    proc = _gpu_soak(
+        tmp_path, what, extra,
+        SOAK_RUNS=" ".join(runs), SOAK_CLIENTS="2",
+        SOAK_DEADLINE="100000", SOAK_STAGGER="0",
+        SOAK_PORT_BASE=str(free_port()),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    configs = {}
+    for spec in runs:
+        run = spec.replace("@", "-")
+        with tarfile.open(out / f"{run}.tgz") as tar:
+            configs[run] = json.load(tar.extractfile(f"{run}/soak.json"))["config"]
+    return (out / "SOAK.md").read_text(), configs
+
+
+def test_gpu_soak_script_runs_pool_sizes_side_by_side(tmp_path):
+    """RUN@BYTES: the same soak with two pool sizes at once, each on its own
+    ports, with its own folder, archive and summary section, and its
+    servers given that pool."""
     extra = (
         "--duration 0 --requests 12 --pool 6 --max-tokens 20 "
         "--sample-s 100000 --replay 4 "
         f"--vllm-cmd '{FAKE}' "
         "--server-args 'cand=--fake-engine-child --fake-preempt-every 5'"
     )
-    proc = _gpu_soak(
-        tmp_path, "two pool sizes", extra,
-        SOAK_RUNS="soak-ngram@1e8 soak-ngram@2e8", SOAK_CLIENTS="2",
-        SOAK_DEADLINE="100000", SOAK_STAGGER="0",
-        SOAK_PORT_BASE=str(free_port()),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
-    summary = (out / "SOAK.md").read_text()
+    summary, configs = _soak_runs(
+        tmp_path, "two pool sizes", extra, ["soak-ngram@1e8", "soak-ngram@2e8"]
+    )
     assert "## soak-ngram-1e8" in summary and "## soak-ngram-2e8" in summary
     assert summary.count("# Soak: PASS") == 2
     ports = set()
     for size in ("1e8", "2e8"):
-        with tarfile.open(out / f"soak-ngram-{size}.tgz") as tar:
-            f = tar.extractfile(f"soak-ngram-{size}/soak.json")
-            cfg = json.load(f)["config"]
+        cfg = configs[f"soak-ngram-{size}"]
         assert str(cfg["kv_bytes"]) == size
         # the n-gram candidate's step budget (SOAK_NGRAM_BUDGET) and long
         # answers (SOAK_LONG_TOKENS), so that its pool runs out
@@ -320,25 +331,15 @@ def test_gpu_soak_script_data_parallel_runs(tmp_path):
     """dp2-ngram and dp2-mtp: the candidate server with
     --data-parallel-size 2 against the reference at DP=1, by request count,
     each on its own ports and with a fixed pool (engines share the GPUs)."""
-    import json
-    import tarfile
-
-    out = tmp_path / "out"
     extra = (
         "--requests 12 --pool 6 --max-tokens 20 --sample-s 100000 --replay 4 "
         f"--vllm-cmd '{FAKE}'"
     )
-    proc = _gpu_soak(
-        tmp_path, "data parallel", extra,
-        SOAK_RUNS="dp2-ngram dp2-mtp", SOAK_CLIENTS="2",
-        SOAK_DEADLINE="100000", SOAK_STAGGER="0",
-        SOAK_PORT_BASE=str(free_port()),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
-    assert (out / "SOAK.md").read_text().count("# Soak: PASS") == 2
-    for run in ("dp2-ngram", "dp2-mtp"):
-        with tarfile.open(out / f"{run}.tgz") as tar:
-            cfg = json.load(tar.extractfile(f"{run}/soak.json"))["config"]
+    summary, configs = _soak_runs(
+        tmp_path, "data parallel", extra, ["dp2-ngram", "dp2-mtp"]
+    )
+    assert summary.count("# Soak: PASS") == 2
+    for cfg in configs.values():
         assert "cand=--data-parallel-size=2" in cfg["server_args"]
         assert cfg["duration"] == 0 and str(cfg["kv_bytes"]) == "4e8"
 
