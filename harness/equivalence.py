@@ -382,7 +382,7 @@ def spec_config(cell: Cell) -> dict | None:
         # with recurrent state of its own); draft_model:dense: an
         # attention-only draft model that repeats the last token; eagle,
         # eagle3: an EAGLE-1 / EAGLE-3 head reading the target's hidden
-        # states; dflash: a DFlash draft model (v0.33.0) reading them and
+        # states; dflash: a DFlash draft model reading them and
         # drafting its k tokens in one pass. engine_kwargs puts
         # in the folder (drafter_dir) that run_cells writes.
         return {
@@ -698,7 +698,7 @@ def plp_shape_cells(ref_cell: Cell, cell: Cell) -> list[Cell]:
     (``judge_prompt_lps``): prefilled in chunks of ``PLP_CHUNK`` and of
     ``PLP_CHUNK_SMALL`` tokens where ``cell`` prefills in chunks
     (``plp_chunk_cell``), and with ``cell``'s runner and compilation where
-    it is compiled. None where that shape is the reference's own
+    it is compiled. Empty where that shape is the reference's own
     (unchunked, eager). A compiled target rounds a prompt's logits otherwise
     than the eager reference: a compiled fast-apply candidate's prompt
     logprobs moved by 0.6 nats against it, with or without speculation's

@@ -1328,8 +1328,8 @@ def _save_head(
 
 def dflash_config(target_text: dict, target_layers: list[int]) -> dict:
     """A DFlash draft model for a Qwen3.5 target (text config
-    ``target_text``), the checkpoint layout vLLM v0.33.0's
-    ``DFlashQwen3ForCausalLM`` loads (``DFlashDraftModel``): one Qwen3
+    ``target_text``), the checkpoint layout vLLM's ``DFlashQwen3ForCausalLM``
+    loads (``DFlashDraftModel``, v0.26.0 and v0.33.0): one Qwen3
     decoder layer of the target's width whose query slots after the next
     token are ``mask_token_id`` (drafted in one parallel pass), reading the
     target's hidden states after the layers ``target_layers`` (DFlash counts
@@ -1338,8 +1338,8 @@ def dflash_config(target_text: dict, target_layers: list[int]) -> dict:
     return _head_config(target_text, "DFlashDraftModel", "qwen3") | {
         "draft_vocab_size": vocab,
         "target_hidden_size": target_text["hidden_size"],
-        # a word of the fixtures' vocabulary that no prompt draws (they
-        # draw from the low ids)
+        # the drafted query slots take this id's embedding (any id of the
+        # vocabulary serves a random-weight draft)
         "dflash_config": {
             "mask_token_id": vocab - 1,
             "target_layer_ids": target_layers,

@@ -36,7 +36,7 @@ Context floor (sampled cells): a sampled candidate emits tokens the
 non-speculative runs never emit, and judges its drift in contexts the floor
 runs never saw; there a flatter distribution puts more entries in the range
 where logits round coarsely. Its own tokens are teacher-forced a second
-time, prefilled in chunks (``harness.equivalence.CTX_CHUNK``), and the drift
+time, prefilled in chunks (``harness.equivalence.PLP_CHUNK``), and the drift
 of that prefill from the reference's, at the candidate's positions, is
 added to the floor of that cell (``Floor.merged``). Both are
 non-speculative prefills of the same tokens: a speculative bug moves the
