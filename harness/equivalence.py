@@ -768,11 +768,11 @@ def judge_prompt_lps(
             if ctoks == toks:
                 floor.add(r, c, toks)
     if path_floor is not None:
-        floor.token = max(floor.token, path_floor.token)
-        floor.topk = max(floor.topk, path_floor.topk)
-        floor.positions = max(floor.positions, path_floor.positions)
-        for b, v in path_floor.by_mag.items():
-            floor.by_mag[b] = max(floor.by_mag.get(b, 0.0), v)
+        # the larger drifts of both; the factor's sample size stays that of
+        # the larger floor (the path floor measures other positions)
+        positions = max(floor.positions, path_floor.positions)
+        floor = floor.merged(path_floor)
+        floor.positions = positions
     drift = oracle.CellDrift()
     differs = 0
     for i, ((ctoks, c), (rtoks, r)) in enumerate(zip(cand, ref, strict=True)):
