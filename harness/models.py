@@ -1347,6 +1347,18 @@ def dflash_config(target_text: dict, target_layers: list[int]) -> dict:
     }
 
 
+def dflash_target_layers(n: int) -> list[int]:
+    """Three distinct target layers for a DFlash head over a target of ``n``
+    decoder layers (``n`` >= 4), first, middle and next to last. vLLM
+    collects one auxiliary hidden state per distinct layer, and the draft
+    model's input width is three of them: a repeated id (``n // 2 == n -
+    2`` at ``n`` = 4) leaves it one short, and the drafter refuses the pair
+    at its first step."""
+    if n < 4:
+        raise ValueError(f"a DFlash head needs a target of 4 layers or more, not {n}")
+    return [0, (n - 2) // 2, n - 2]
+
+
 def write_dflash_head(
     target: str | Path, out: str | Path, seed: int = 0, std: float = 0.02
 ) -> Path:
@@ -1356,8 +1368,7 @@ def write_dflash_head(
     checkpoint has none) and brings its own LM head. Random weights rarely
     draft the target's token, as the EAGLE heads'."""
     text = json.loads((Path(target) / "config.json").read_text())["text_config"]
-    n = text["num_hidden_layers"]
-    cfg = dflash_config(text, [0, n // 2, n - 2])
+    cfg = dflash_config(text, dflash_target_layers(text["num_hidden_layers"]))
     shapes, norms = _qwen3_head("layers.0", cfg, cfg["hidden_size"], "hidden_norm")
     return _save_head(out, cfg, shapes, norms, seed + 7, std)
 

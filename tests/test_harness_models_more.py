@@ -26,6 +26,7 @@ from harness.models import (
     FIXTURES,
     KINDS,
     build_model,
+    dflash_target_layers,
     main,
     vllm_loads,
     write_dense_draft,
@@ -585,3 +586,24 @@ def test_a_fused_olmo_conv_is_written_in_the_published_layout():
     assert v.shape[0] == value
     with pytest.raises(ValueError, match="rows"):
         split_olmo_conv("x.linear_attn.conv1d.weight", fused[:-1], cfg)
+
+
+def test_dflash_head_reads_three_distinct_target_layers(tmp_path):
+    """vLLM collects one auxiliary hidden state per distinct layer and the
+    DFlash head takes three: the 4-layer Qwen3.5 fixture once got [0, 2, 2]
+    (512 features where 768 were expected, refused at the first step on a
+    GPU, by the fork and upstream alike)."""
+    target = tmp_path / "qwen3_5"
+    write_model("qwen3_5", target)
+    head = write_dflash_head(target, tmp_path / "dflash")
+    cfg = json.loads((head / "config.json").read_text())
+    n = json.loads((target / "config.json").read_text())["text_config"][
+        "num_hidden_layers"
+    ]
+    ids = cfg["dflash_config"]["target_layer_ids"]
+    assert len(set(ids)) == 3 and all(0 <= i <= n - 2 for i in ids), (n, ids)
+    for n in range(4, 65):
+        ids = dflash_target_layers(n)
+        assert len(set(ids)) == 3 and max(ids) <= n - 2
+    with pytest.raises(ValueError, match="4 layers"):
+        dflash_target_layers(3)
