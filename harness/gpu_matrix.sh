@@ -13,6 +13,8 @@
 # The upstream tree is the fork's site with the patch series reversed.
 # Reports go to $OUT/equivalence, logs to $OUT/logs, both packed at the end
 # into $OUT/equivalence-HHMMSS.tgz (HS_PACK=0: left as files).
+# HS_ONLY: only the cells whose key contains this substring (harness.equivalence
+# --only), e.g. HS_ONLY=synthetic for the sampled cells of synthetic acceptance.
 set -u
 R=$PWD
 VARIANTS=${1:-fork}
@@ -41,6 +43,7 @@ for v in $VARIANTS; do
     for ((i = 1; i <= n; i++)); do
       run="$s-${v//+/-with-}" shard=()
       ((n > 1)) && run="$run-$i-of-$n" shard=(--shard "$i/$n")
+      [[ -n ${HS_ONLY:-} ]] && shard+=(--only "$HS_ONLY")
       HS_EXTRA_PATH=$(slice_path "$s") on_gpu ${#pids[@]} in_variant "$v" timeout -k 15 $((DEADLINE + 170)) python3 -m harness.equivalence --slice "$s" \
         "${shard[@]}" --run "$run" --out "$OUT/equivalence" --deadline "$DEADLINE" \
         > "$OUT/logs/$run.log" 2>&1 &
