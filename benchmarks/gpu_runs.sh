@@ -30,7 +30,8 @@
 #       fork vs upstream side by side, BS 1/8/32/64 (REPLAY_BS) with CUDA
 #       graphs (decode_latency --trace); for n-gram traces then the fork's
 #       draft_length_policy="acceptance" cutting the same drafts
-#       (REPLAY_POLICY=0: not); speedups over no speculation
+#       (REPLAY_POLICY=0: not; REPLAY_VARIANTS=fork: the fork alone); speedups
+#       over no speculation
 #       (benchmarks.configs_report): $OUT/replay-<trace name>
 set -u
 R=$PWD
@@ -109,7 +110,7 @@ print(max(1, min(64, max((d for t in load(sys.argv[1])[1] for d, _ in t), defaul
   bench=(--trace "$trace" --scripted-k "$k" --batch-sizes "${REPLAY_BS:-1,8,32,64}"
          --tokens "${REPLAY_TOKENS:-256}" --rounds "${REPLAY_ROUNDS:-4}")
   in_variant fork python3 -m benchmarks.side_by_side --modes "${REPLAY_MODES:-none,scripted70}" \
-    --out "$OUT/replay-$name" --run "trace-$name" --deadline $((end - SECONDS)) \
+    --variants "${REPLAY_VARIANTS:-fork,upstream}" --out "$OUT/replay-$name" --run "trace-$name" --deadline $((end - SECONDS)) \
     -- "${bench[@]}"
   # the fork's per-request draft length (draft_length_policy="acceptance")
   # cutting the same drafts; n-gram traces only (the policy is n-gram's)
