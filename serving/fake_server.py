@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -314,6 +315,12 @@ def _parse(argv):
         help="count a preemption every N answers (vllm:num_preemptions_total)",
     )
     ap.add_argument(
+        "--fake-hold-until",
+        default=None,
+        metavar="URL",
+        help="hold every completion until URL answers HTTP 200",
+    )
+    ap.add_argument(
         "--fake-no-validation",
         action="store_true",
         help="answer malformed requests with HTTP 500 instead of 400",
@@ -440,9 +447,24 @@ def make_app(a: argparse.Namespace):
             )
         return None
 
+    async def hold():
+        # --fake-hold-until: answer nothing until that URL answers 200 (a
+        # test's condition, e.g. the reference server being up)
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s:
+            while True:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with s.get(a.fake_hold_until) as r:
+                        if r.status == 200:
+                            return
+                await asyncio.sleep(0.05)
+
     async def handle(request, chat: bool):
         if a.fake_crash_on_request:
             os._exit(3)
+        if a.fake_hold_until:
+            await hold()
         if engine_dead():
             return web.json_response(
                 {"error": {"message": "EngineCore encountered an issue",

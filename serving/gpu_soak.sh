@@ -79,7 +79,7 @@
 #
 # Environment: SOAK_CLIENTS (256), SOAK_DURATION (300), SOAK_FAULT_REQUESTS
 # (3000), SOAK_DP_REQUESTS (2000), SOAK_KV_DP (4e8), SOAK_KV_NGRAM (1.2e8), SOAK_NGRAM_BUDGET (1024), SOAK_KV_MTP
-# (2.5e7), SOAK_MAX_SEQS (64), SOAK_LONG_TOKENS (3072; 0: no long requests),
+# (2.5e7), SOAK_KV_REF (4e9 bytes, the references' pool), SOAK_MAX_SEQS (64), SOAK_LONG_TOKENS (3072; 0: no long requests),
 # SOAK_DEADLINE (540: the
 # load stops 120 s before it, then the checks),
 # SOAK_RUNS ("soak-ngram soak-mtp fault-mtp"), SOAK_STAGGER (1: each run
@@ -99,6 +99,7 @@ FAULT_REQUESTS=${SOAK_FAULT_REQUESTS:-3000}
 KV_NGRAM=${SOAK_KV_NGRAM:-1.2e8}
 NGRAM_BUDGET=${SOAK_NGRAM_BUDGET:-1024}
 KV_MTP=${SOAK_KV_MTP:-2.5e7}
+KV_REF=${SOAK_KV_REF:-4000000000}
 SEQS=${SOAK_MAX_SEQS:-64}
 LONG=${SOAK_LONG_TOKENS:-3072}
 DEADLINE=${SOAK_DEADLINE:-540}
@@ -123,8 +124,16 @@ ENGINE+=" --limit-mm-per-prompt '{\"image\":0,\"video\":0}'"
 ENGINE+=" --attention-backend TRITON_ATTN --enable-prefix-caching"
 ENGINE+=" --max-num-batched-tokens 512"
 # the references run eager: they start faster and compile nothing while
-# the candidates are loaded (the comparison is margin-aware)
-common=(--model "$MODEL" --server ref=none --server-args ref=--enforce-eager
+# the candidates are loaded (the comparison is margin-aware). A reference
+# has a pool of its own (SOAK_KV_REF): --kv-bytes sizes the candidate's to
+# preempt, and a reference that preempts as well answered its replay at a
+# fraction of its speed. It answers the candidate's greedy requests while
+# the load runs (serving.soak): eager, it decodes about 3,000 tokens/s at
+# 64 sequences, and the distinct answers of five minutes of load (about
+# 450,000 tokens with the long ones) left after the load outlasted the
+# deadline.
+common=(--model "$MODEL" --server ref=none
+  --server-args "ref=--enforce-eager --kv-cache-memory-bytes=$KV_REF"
   --clients "$CLIENTS"
   --max-num-seqs "$SEQS" --gpu-mem 0.08
   --engine-args "$ENGINE")

@@ -24,7 +24,11 @@ In order (the servers through ``serving.servers``, as ``serve_check``):
    so that a small pool preempts); the rest greedy as they are. Every
    ``--sample-s`` seconds it samples the candidate's host memory (RSS of
    the server and its processes, psutil), its GPU memory (``nvidia-smi``,
-   where there is one) and the requests done;
+   where there is one), the requests done and the candidate's own gauges
+   (``/metrics``: requests running and waiting, KV cache use, preemptions so
+   far; each sample a log line). Once the reference is up, each greedy
+   request the candidate completed goes to it as well, once per distinct
+   request (``--no-ref-during-load``: only in step 5);
 3. with ``--fault kill-engine``: after ``--kill-after`` requests have
    completed, SIGKILLs the candidate's engine-core process (a process under
    it whose command line names ``EngineCore``), waits until every request
@@ -38,9 +42,10 @@ In order (the servers through ``serving.servers``, as ``serve_check``):
    (``/health``), scrapes ``/metrics`` again
    (accepted draft tokens <= draft tokens; preemptions, which
    ``--expect-preemption`` requires);
-5. replays every greedy request that completed (stop strings and
-   structured output included; each distinct request once, its answer
-   compared with every copy) on the reference and compares, margin-aware
+5. replays on the reference every distinct greedy request that completed
+   and that it has not answered during the load (stop strings and
+   structured output included; each answer compared with every copy of its
+   request) and compares, margin-aware
    as ``serve_check`` does (teacher-forced by the reference, with a tie
    margin of twice the noise measured on the reference's own answers); a
    structured output request is judged at its first difference only, from
@@ -288,6 +293,24 @@ def counter(text: str, name: str) -> float:
     )
 
 
+# /metrics series sampled during the load: {sample key: (metric, kind)}
+GAUGES = {
+    "preemptions": "vllm:num_preemptions_total",
+    "running": "vllm:num_requests_running",
+    "waiting": "vllm:num_requests_waiting",
+    "kv_usage": "vllm:kv_cache_usage_perc",
+}
+
+
+async def load_gauges(session, url: str) -> dict:
+    """The candidate's ``GAUGES`` now (``{}`` when /metrics does not answer:
+    a killed engine)."""
+    status, text = await get_text(session, url + "/metrics")
+    if status != 200:
+        return {}
+    return {k: round(counter(text, name), 4) for k, name in GAUGES.items()}
+
+
 async def get_text(session, url: str) -> tuple[int, str]:
     try:
         async with session.get(url) as r:
@@ -320,11 +343,28 @@ def memory_flat(samples: list[dict], tolerance: float) -> dict:
 # the load
 
 
-async def run_load(a, cand: ServerSpec, pool, log, deadline: float = math.inf) -> dict:
+async def run_load(
+    a,
+    cand: ServerSpec,
+    pool,
+    log,
+    deadline: float = math.inf,
+    ref: ServerSpec | None = None,
+    ref_answers: dict | None = None,
+) -> dict:
     """Clients against the candidate until the duration or request count;
     the fault in the middle where asked. No request starts later than
     ``--check-reserve`` seconds before the deadline: the checks after the
-    load need that time (``load_s`` in the report says how long it ran)."""
+    load need that time (``load_s`` in the report says how long it ran).
+
+    With ``ref`` and ``ref_answers`` (a dict), the reference answers the
+    greedy requests while the load runs: once it is up, each greedy request
+    the candidate completed is sent to it, once per distinct body
+    (``ref_key``), at most ``--ref-concurrency`` at a time, its answer kept
+    in ``ref_answers``. After the load only what it has not answered yet is
+    replayed: a replay of every distinct request after five minutes of load
+    (long answers of thousands of tokens among them) outlasted the time
+    left before the deadline."""
     import aiohttp
 
     t0 = time.monotonic()
@@ -344,17 +384,24 @@ async def run_load(a, cand: ServerSpec, pool, log, deadline: float = math.inf) -
             return False
         return a.requests <= 0 or started < a.requests
 
-    async def sample():
+    async def sample(session=None):
         pids = server_pids(cand.proc.pid) if cand.proc else []
-        samples.append(
-            {
-                "t": round(time.monotonic() - t0, 2),
-                "rss_mib": rss_mib(cand.proc.pid) if cand.proc else None,
-                "gpu_mib": gpu_mib(pids),
-                "done": done,
-                "in_flight": len(in_flight),
-            }
-        )
+        smp = {
+            "t": round(time.monotonic() - t0, 2),
+            "rss_mib": rss_mib(cand.proc.pid) if cand.proc else None,
+            "gpu_mib": gpu_mib(pids),
+            "done": done,
+            "in_flight": len(in_flight),
+        }
+        if session is not None:
+            # the scheduler's own gauges and the preemption counter, so that
+            # a run cut before its summary still shows them (in its log)
+            smp.update(await load_gauges(session, cand.url))
+            log(
+                f"[soak] t={smp['t']:.0f}s done={done} in_flight={len(in_flight)}"
+                + "".join(f" {k}={smp[k]}" for k in GAUGES if k in smp)
+            )
+        samples.append(smp)
 
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=a.request_timeout or None)
@@ -378,16 +425,60 @@ async def run_load(a, cand: ServerSpec, pool, log, deadline: float = math.inf) -
                 in_flight.discard(i)
                 res["after_kill"] = killed.is_set()
                 results[i] = res
+                if (
+                    feeding
+                    and sr.greedy
+                    and outcome(res) == "ok"
+                    and not res.get("disconnected")
+                ):
+                    ref_queue.put_nowait(sr)
                 done += 1
                 if a.fault and not killed.is_set() and done >= a.kill_after:
                     killed.set()
 
+        ref_queue: asyncio.Queue = asyncio.Queue()
+        ref_sent: set[str] = set()
+
+        async def ref_feeder():
+            # the reference's start overlaps the load: wait for it
+            while (await get_text(session, ref.url + "/health"))[0] != 200:
+                await asyncio.sleep(2)
+            log(f"[soak] {ref.name} up after {time.monotonic() - t0:.0f} s "
+                "of load: answering the greedy requests as they complete")  # fmt: skip
+            sem = asyncio.Semaphore(a.ref_concurrency)
+            pending: set = set()
+
+            async def one(key: str, sr: SoakRequest):
+                async with sem:
+                    res = await send(
+                        session, ref.url, sr.req,
+                        soak_payload(sr, a.served_name, True), None,
+                    )  # fmt: skip
+                if res.get("error") is None:
+                    ref_answers[key] = res
+                else:  # replayed again after the load
+                    ref_sent.discard(key)
+
+            while True:
+                sr = await ref_queue.get()
+                if sr is None:
+                    break
+                key = ref_key(sr, a.served_name)
+                if key in ref_sent:
+                    continue
+                ref_sent.add(key)
+                t = asyncio.create_task(one(key, sr))
+                pending.add(t)
+                t.add_done_callback(pending.discard)
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+
         async def sampler():
-            await sample()
+            await sample(session)
             while not stop_load.is_set():
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop_load.wait(), a.sample_s)
-                await sample()
+                await sample(session)
 
         async def faulter():
             await killed.wait()
@@ -403,6 +494,8 @@ async def run_load(a, cand: ServerSpec, pool, log, deadline: float = math.inf) -
                 if not t.done():
                     t.cancel()
 
+        feeding = ref is not None and ref_answers is not None
+        feeder = asyncio.create_task(ref_feeder()) if feeding else None
         tasks = [asyncio.create_task(client()) for _ in range(a.clients)]
         side = [asyncio.create_task(sampler()), asyncio.create_task(release())]
         if a.fault:
@@ -422,7 +515,17 @@ async def run_load(a, cand: ServerSpec, pool, log, deadline: float = math.inf) -
                 t.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        await sample()
+        await sample(session)
+        if feeder is not None:
+            # a reference that is up answers what is queued before the load
+            # ends; one not up yet is not waited for here (step 5 replays)
+            ref_queue.put_nowait(None)
+            if (await get_text(session, ref.url + "/health"))[0] == 200:
+                await feeder
+            else:
+                feeder.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await feeder
     return {
         "results": results,
         "samples": samples,
@@ -483,13 +586,19 @@ async def replay(url: str, model: str, items, concurrency: int, logprobs: bool):
         return await asyncio.gather(*(one(sr) for sr in items))
 
 
+def ref_key(sr: SoakRequest, model: str) -> str:
+    """What the reference is sent for ``sr`` (its body, logprobs asked
+    for): requests with equal keys have one reference answer."""
+    return json.dumps(soak_payload(sr, model, True), sort_keys=True)
+
+
 def distinct(items, model: str) -> tuple[list, list[int]]:
     """The distinct requests among ``items`` (by the body the reference is
     sent) and, for each item, the position of its request among them."""
     first: dict[str, int] = {}
     uniq, slot = [], []
     for sr in items:
-        key = json.dumps(soak_payload(sr, model, True), sort_keys=True)
+        key = ref_key(sr, model)
         if key not in first:
             first[key] = len(uniq)
             uniq.append(sr)
@@ -578,6 +687,8 @@ def plot(samples: list[dict], path: Path, title: str) -> None:
     ax[0].set_title(title)
     ax[1].plot(t, [s["done"] for s in samples], label="requests done")
     ax[1].plot(t, [s["in_flight"] for s in samples], label="in flight")
+    if any("running" in s for s in samples):
+        ax[1].plot(t, [s.get("running", 0) for s in samples], label="running (server)")
     ax[1].set_xlabel("seconds")
     ax[1].legend()
     fig.tight_layout()
@@ -634,6 +745,13 @@ def parse_args(argv):
     )
     ap.add_argument("--replay", type=int, default=64)
     ap.add_argument("--ref-concurrency", type=int, default=64)
+    ap.add_argument(
+        "--no-ref-during-load",
+        dest="ref_during_load",
+        action="store_false",
+        help="the reference answers the greedy requests only after the load "
+        "(default: while it runs, as they complete)",
+    )
     ap.add_argument(
         "--bad-requests",
         action="store_true",
@@ -715,7 +833,18 @@ def main(argv: list[str] | None = None) -> int:
         launch(a, ref, out / "logs")
         log(f"[soak] launched {ref.name} on {ref.url}")
         before = asyncio.run(_metrics_text(cand.url))
-        load = asyncio.run(run_load(a, cand, pool, log, deadline))
+        ref_answers: dict[str, dict] = {}
+        load = asyncio.run(
+            run_load(
+                a,
+                cand,
+                pool,
+                log,
+                deadline,
+                ref=ref if a.ref_during_load else None,
+                ref_answers=ref_answers,
+            )  # fmt: skip
+        )
         results = load["results"]
         fault = load["fault"]
         if a.fault and fault.get("engine_pids"):
@@ -801,13 +930,26 @@ def main(argv: list[str] | None = None) -> int:
         # the load draws its requests from a pool of prompts: a greedy
         # request sent many times has one reference answer
         uniq, slot = distinct(items, a.served_name)
+        keys = [ref_key(sr, a.served_name) for sr in uniq]
+        rest = [j for j, k in enumerate(keys) if k not in ref_answers]
         log(
-            f"[soak] replaying {len(uniq)} distinct of {len(items)} greedy "
-            f"requests on {ref.name}"
+            f"[soak] {len(uniq)} distinct of {len(items)} greedy requests: "
+            f"{len(uniq) - len(rest)} answered by {ref.name} during the load, "
+            f"replaying {len(rest)}"
         )
-        ref_uniq = asyncio.run(
-            replay(ref.url, a.served_name, uniq, a.ref_concurrency, True)
+        again = asyncio.run(
+            replay(
+                ref.url,
+                a.served_name,
+                [uniq[j] for j in rest],
+                a.ref_concurrency,
+                True,
+            )  # fmt: skip
         )
+        got = dict(zip(rest, again, strict=True))
+        ref_uniq = [
+            got[j] if j in got else ref_answers[keys[j]] for j in range(len(uniq))
+        ]
         ref_res = [ref_uniq[j] for j in slot]
         cand_res = [results[i] for i in greedy]
         rows = compare([sr.req for sr in items], ref_res, cand_res, a.tie_margin)
@@ -882,6 +1024,8 @@ def main(argv: list[str] | None = None) -> int:
             tie_margin=judged,
             compared=len(rows),
             replayed_distinct=len(uniq),
+            ref_answered_during_load=len(uniq) - len(rest),
+            ref_replayed_after_load=len(rest),
             rows=[r for r in rows if r["status"] != "match"],
             spec_metrics=spec,
             preemptions=preemptions,
@@ -960,6 +1104,16 @@ def markdown(r: dict) -> str:
         ),
         f"Spec-decode counters: {r['spec_metrics']}; preemptions: {r['preemptions']}.",
         f"Host memory: {r['memory']}.",
+        *(
+            [
+                "During the load (the candidate's /metrics): KV cache use up to "
+                f"{max(s.get('kv_usage', 0) for s in smp):.0%}, up to "
+                f"{max(s.get('running', 0) for s in smp):.0f} requests running and "
+                f"{max(s.get('waiting', 0) for s in smp):.0f} waiting."
+            ]
+            if (smp := [s for s in r.get("samples") or [] if "running" in s])
+            else []
+        ),
         "",
         "| check | result |",
         "|---|---|",

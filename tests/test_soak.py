@@ -60,6 +60,10 @@ def test_mixed_load_passes_against_a_right_candidate(tmp_path):
     assert r["compared"] == 64 and r["comparison"]["match"] == 64
     assert r["spec_metrics"]["accepted"] <= r["spec_metrics"]["draft_tokens"]
     assert r["memory"]["judged"] is False
+    # every sample read the candidate's /metrics (a run cut before its
+    # summary still has the preemption counter in its log)
+    assert r["samples"] and all("preemptions" in s for s in r["samples"])
+    assert "[soak] t=" in proc.stdout + proc.stderr
     assert (out / "soak.png").stat().st_size > 0
     assert "# Soak: PASS" in (out / "soak.md").read_text()
     # the malformed requests after the load: each a 4xx, the server alive
@@ -80,6 +84,29 @@ def test_a_request_sent_many_times_is_replayed_once(tmp_path):
     # the noise is measured on each distinct reference answer once (the
     # structured-output ones are judged apart: 8 plain and 4 stop answers)
     assert r["tie_margin"]["measured_on"] == 12
+
+
+def test_the_reference_answers_during_the_load(tmp_path):
+    """The candidate holds its answers until the reference is up (the
+    fake's --fake-hold-until, a condition, not a delay): every greedy request
+    completes while the reference is up, which answers each distinct one
+    during the load, so nothing is left to replay after it. With
+    --no-ref-during-load everything is replayed after the load."""
+    port = free_port()
+    hold = f"cand=--fake-hold-until http://127.0.0.1:{port + 1}/health"
+    proc, r, _ = _soak(tmp_path, "--port", str(port), "--server-args", hold)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert r["compared"] == 64 and r["comparison"]["match"] == 64
+    n = r["replayed_distinct"]
+    assert n > 0 and r["ref_answered_during_load"] == n
+    assert r["ref_replayed_after_load"] == 0
+    proc, r, _ = _soak(
+        tmp_path, "--port", str(port), "--server-args", hold, "--no-ref-during-load"
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert r["comparison"]["match"] == 64
+    assert r["ref_answered_during_load"] == 0
+    assert r["ref_replayed_after_load"] == n
 
 
 def test_a_candidate_that_answers_malformed_requests_with_5xx_fails(tmp_path):
