@@ -137,6 +137,9 @@ SAMPLED_PARTS = {
     "more": ("qwen3_next", "granitemoehybrid"),
     # the other hybrid families with a speculative path: speculating_families
     "fam": (),
+    # Kimi-Linear (KDA; its spec path needs the CUTLASS DSL on v0.33.0),
+    # with the cells of "fam"
+    "kimi": ("kimi_linear",),
 }
 
 
@@ -154,16 +157,15 @@ def speculating_families() -> tuple[str, ...]:
 
 
 def cells(part: str = "all") -> list[dict]:
-    """Sampled cells (slice ``sampled-<part>``: q, n, fa, more, fam, or all)
-    for every family that speculates (Kimi-Linear is left out: its KDA spec
-    path has not run on a GPU on either line): n-gram at T=1
+    """Sampled cells (slice ``sampled-<part>``: q, n, fa, more, fam, kimi, or
+    all) for every family that speculates: n-gram at T=1
     and with top-p/top-k, scripted drafts (mixed draft counts; synthetic
     acceptance), MTP with standard, probabilistic-draft,
     block, synthetic and FLy acceptance (V1 and MRV2; FLy exists in v0.33.0
     only, v0.26.0 rejects it at config time and records ``rejected``).
-    The other hybrid families (part ``fam``) get n-gram at T=1 and with
-    top-p/top-k, and MTP (standard and probabilistic-draft acceptance)
-    where the fixture has a head.
+    The other hybrid families (part ``fam``) and Kimi-Linear (part
+    ``kimi``) get n-gram at T=1 and with top-p/top-k, and MTP (standard and
+    probabilistic-draft acceptance) where the fixture has a head.
     Returns ``harness.equivalence.Cell`` keyword arguments (this module
     does not import the matrix)."""
     from .models import FIXTURES
@@ -190,7 +192,7 @@ def cells(part: str = "all") -> list[dict]:
                 **kw,
             }
 
-        if part == "fam":
+        if part in ("fam", "kimi"):
             out += [c("ngram", 5, sampling="t1"), c("ngram", 5)]
             if mtp:
                 out += [
