@@ -614,17 +614,19 @@ def teacher_forced(
     return result
 
 
-def context_pass(model, dtype, model_dir, kv, items, seqs, owners):
+def context_pass(model, dtype, model_dir, kv, items, seqs, owners, want=None):
     """The context floor's second teacher-forced pass (``harness.oracle``):
-    the sequences of the sampled, unconstrained cells among ``items``
-    prefilled in chunks. Returns ({(cell index, sequence index): positions},
-    None), or ({}, the error) where the pass failed: those cells are then
-    judged by the plain floor, which is never the looser one."""
-    want = {
-        j
-        for j, (row, *_, rkey) in enumerate(items)
-        if row.get("sampling") and not constrained(rkey[7])
-    }
+    the sequences of the cells ``want`` (indices into ``items``; default
+    the sampled, unconstrained cells) prefilled in chunks. Returns ({(cell
+    index, sequence index): positions}, None), or ({}, the error) where the
+    pass failed: those cells are then judged by the plain floor, which is
+    never the looser one."""
+    if want is None:
+        want = {
+            j
+            for j, (row, *_, rkey) in enumerate(items)
+            if row.get("sampling") and not constrained(rkey[7])
+        }
     keys = [(key, i) for kind, key, i in owners if kind == "cell" and key in want]
     if not keys:
         return {}, None
@@ -1074,6 +1076,33 @@ def run_cells(
                     ref_toks = refs[items[key][3]][1][i]
                     v = verify(pos, cand, margin, ref_tokens=ref_toks)
                 summaries[key].add_verification(i, v)
+        # greedy speculative cells over the plain floor get the context floor
+        # too (the candidate's tokens prefilled in chunks: a verify row is a
+        # short chunk of its own), computed only for them: the merged floor
+        # is never below the plain one, so a cell within the plain floor
+        # passes either way
+        lazy = {
+            j
+            for j, (row, *_, rkey) in enumerate(items)
+            if j not in ctx_floors
+            and not row.get("sampling")
+            and not constrained(rkey[7])
+            and row.get("drafter", "none") != "none"
+            and drifts[j].judge(floor, dtype)["drift_violations"]
+        }
+        lazy_error = None
+        if lazy:
+            ctx_more, lazy_error = context_pass(
+                model, dtype, model_dir, kv, items, seqs, owners, want=lazy
+            )
+            at = {o: n for n, o in enumerate(owners)}
+            for (key, i), ctx_pos in ctx_more.items():
+                n = at["cell", key, i]
+                ctx_floors.setdefault(key, oracle.Floor()).add(
+                    [q.logprobs for q in ctx_pos],
+                    [q.logprobs for q in forced[n]],
+                    seqs[n][1],
+                )
         for j, ((row, *_, rkey), s, d) in enumerate(
             zip(items, summaries, drifts, strict=True)
         ):
@@ -1098,10 +1127,14 @@ def run_cells(
                     drift_context_topk_floor=oracle._r(ctx.topk),
                     drift_context_floor_positions=ctx.positions,
                 )
+                if j in lazy:
+                    row["drift_context_floor_why"] = "over the plain floor"
             else:
                 row.update(d.judge(floor, dtype))
                 if ctx_error and row.get("sampling") and not c:
                     row["drift_context_floor_error"] = ctx_error
+                if lazy_error and j in lazy:
+                    row["drift_context_floor_error"] = lazy_error
             if row["drift_violations"] and oracle.enforced():
                 row["status"] = "diverged"
             if rkey in ref_plps and id(row) in cand_plps:

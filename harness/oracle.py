@@ -32,15 +32,20 @@ acceptance does not follow the target (synthetic acceptance), also emits
 tokens of log-probability -3 or -10, which carry the logits' noise as the
 floor's top-k entries of that size do.
 
-Context floor (sampled cells): a sampled candidate emits tokens the
-non-speculative runs never emit, and judges its drift in contexts the floor
-runs never saw; there a flatter distribution puts more entries in the range
-where logits round coarsely. Its own tokens are teacher-forced a second
-time, prefilled in chunks (``harness.equivalence.PLP_CHUNK``), and the drift
-of that prefill from the reference's, at the candidate's positions, is
-added to the floor of that cell (``Floor.merged``). Both are
-non-speculative prefills of the same tokens: a speculative bug moves the
-candidate, never its context floor.
+Context floor (sampled cells, and greedy ones over the plain floor): a
+sampled candidate emits tokens the non-speculative runs never emit, and
+judges its drift in contexts the floor runs never saw; there a flatter
+distribution puts more entries in the range where logits round coarsely.
+Its own tokens are teacher-forced a second time, prefilled in chunks
+(``harness.equivalence.PLP_CHUNK``), and the drift of that prefill from
+the reference's, at the candidate's positions, is added to the floor of
+that cell (``Floor.merged``). Both are non-speculative prefills of the
+same tokens: a speculative bug moves the candidate, never its context
+floor. A greedy speculative cell whose drift exceeds the plain floor is
+judged again the same way (a verify row is a short prefill chunk of its
+own, and the fixtures' top-k tail entries move under a change of prefill
+shape alone); the pass runs only for such cells, since the merged floor
+is never below the plain one (``drift_context_floor_why`` in the row).
 
 Threshold (``threshold``): ``factor * max(floor, eps(dtype))``, and never
 below the floor plus two rounding steps at the position's magnitude

@@ -506,16 +506,20 @@ def test_run_cells_judges_every_completion_of_an_n2_cell(
 
 
 def _run_sampled(
-    monkeypatch, tmp_path, spec_noise, ctx_noise, bump=None, ctx_fails=False
-):
-    """One sampled cell; the speculative engine and the context floor's
-    chunked teacher-forced pass with noise of their own, every other
-    engine 1e-3."""
+    monkeypatch, tmp_path, spec_noise, ctx_noise, bump=None, ctx_fails=False,
+    sampling="t1", chunked_engines=None,
+):  # fmt: skip
+    """One sampled cell (``sampling`` "greedy": a greedy one); the speculative
+    engine and the context floor's chunked teacher-forced pass with noise of
+    their own, every other engine 1e-3. ``chunked_engines``: a list that
+    gets one entry per chunked engine started."""
     from harness import equivalence as eq
     from harness import models
 
     def engine(cell, d):
         if cell.chunked:
+            if chunked_engines is not None:
+                chunked_engines.append(cell)
             if ctx_fails:
                 raise RuntimeError("no chunked engine here")
             return FakeLLM(cell, noise=ctx_noise)
@@ -526,9 +530,41 @@ def _run_sampled(
     monkeypatch.setattr(eq, "_engine", engine)
     monkeypatch.setattr(eq, "_shutdown", lambda llm: None)
     monkeypatch.setattr(models, "write_model", lambda kind, out, seed=0: out)
-    cells = [eq.Cell("qwen3_5", "ngram", 5, 4, max_tokens=24, sampling="t1")]
+    cells = [eq.Cell("qwen3_5", "ngram", 5, 4, max_tokens=24, sampling=sampling)]
     (row,) = eq.run_cells(cells, tmp_path, n_prompts=4, seed=0)
     return row
+
+
+def test_a_greedy_cell_over_the_plain_floor_gets_the_context_floor(
+    monkeypatch, tmp_path
+):
+    """A greedy speculative cell whose drift exceeds the plain floor is
+    judged again with the context floor of its own tokens (a verify row is
+    a short prefill chunk of its own); one within the plain floor starts no
+    chunked engine. A real change is not hidden by it."""
+    started: list = []
+    quiet = _run_sampled(monkeypatch, tmp_path, spec_noise=1e-3, ctx_noise=0.05,
+                         sampling="greedy", chunked_engines=started)  # fmt: skip
+    assert quiet["status"] == "ok" and "drift_context_floor" not in quiet
+    assert started == []
+    noisy = _run_sampled(monkeypatch, tmp_path, spec_noise=0.05, ctx_noise=0.05,
+                         sampling="greedy", chunked_engines=started)  # fmt: skip
+    # (drift only: this much noise can also flip a near-tie of the fake
+    # model, which the argmax oracle judges by its own margin)
+    assert noisy["drift_violations"] == 0, json.dumps(noisy)
+    assert noisy["drift_context_floor_why"] == "over the plain floor"
+    assert noisy["drift_context_floor_positions"] > 0 and len(started) == 1
+    # the same drift where the chunked prefill agrees with the reference
+    bad = _run_sampled(monkeypatch, tmp_path, spec_noise=0.05, ctx_noise=1e-3,
+                       sampling="greedy")  # fmt: skip
+    assert bad["status"] == "diverged" and bad["drift_violations"] > 0
+    assert bad["drift_context_floor_why"] == "over the plain floor"
+    # a lowered third choice: over the plain floor, so the context floor is
+    # measured, and both of its prefills are non-speculative: still diverged
+    row = _run_sampled(monkeypatch, tmp_path, spec_noise=1e-3, ctx_noise=1e-3,
+                       bump=(10, 0.5), sampling="greedy")  # fmt: skip
+    assert row["drift_context_floor_why"] == "over the plain floor"
+    assert row["status"] == "diverged" and row["drift_violations"] > 0
 
 
 def test_a_sampled_cell_is_judged_with_the_context_floor_of_its_own_tokens(
@@ -541,7 +577,7 @@ def test_a_sampled_cell_is_judged_with_the_context_floor_of_its_own_tokens(
     candidate's own distribution (a lowered third choice) still fails with
     it, since both prefills are non-speculative."""
     noisy = _run_sampled(monkeypatch, tmp_path, spec_noise=0.05, ctx_noise=0.05)
-    assert noisy["status"] == "ok", noisy
+    assert noisy["status"] == "ok", json.dumps(noisy)
     assert noisy["drift_context_floor_positions"] == noisy["drift_positions"] > 0
     # the same candidate where the prefills agree: the greedy floor alone
     quiet = _run_sampled(monkeypatch, tmp_path, spec_noise=0.05, ctx_noise=1e-3)
