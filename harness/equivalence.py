@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import gc
 import json
 import os
@@ -43,7 +44,18 @@ FASTAPPLY = "fastapply"
 # attention-only draft model; eagle3: an EAGLE-3 head)
 DRAFTER_DIR = "<written beside the cell's model>"
 # the drafters whose checkpoint run_cells writes (write_drafter)
-DRAFT_MODELS = ("draft_model", "draft_model:dense", "eagle", "eagle3", "dflash")
+DRAFT_MODELS = (
+    "draft_model",
+    "draft_model:dense",
+    "eagle",
+    "eagle3",
+    "dflash",
+    "medusa",
+    "dspark",
+)
+# of those, the drafters whose checkpoint depends on the cell's k (Medusa:
+# one head per drafted token; DSpark: its block size), written per k
+PER_K_DRAFTERS = ("medusa", "dspark")
 FASTAPPLY_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "fastapply"
 # the Qwen3.5 fixture with the published models' GDN head size, 128
 # (harness.models.qwen3_5_config): FlashInfer's GDN prefill takes no other
@@ -290,7 +302,7 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
         kw.pop("attention_backend")
     if spec:
         if spec.get("model") == DRAFTER_DIR:
-            spec = {**spec, "model": drafter_dir(model_dir, cell.drafter)}
+            spec = {**spec, "model": drafter_dir(model_dir, cell.drafter, cell.k)}
         # a sampled cell's rejection-sampling method (harness.sampled)
         spec = {**spec, **sampled.spec_kwargs(cell.sampling, cell.k)}
         kw["speculative_config"] = spec
@@ -311,12 +323,15 @@ def model_folder(model: str, workdir: Path, seed: int) -> Path:
     return write_model(model, workdir / f"model-{model}", seed=seed)
 
 
-def drafter_dir(model_dir: str, drafter: str) -> str:
-    """Where the drafter of a draft_model(:dense), eagle or eagle3 cell is
-    written:
+def drafter_dir(model_dir: str, drafter: str, k: int | None = None) -> str:
+    """Where the drafter of a cell with one of ``DRAFT_MODELS`` is written:
     beside a generated model, in the temp folder for the committed fast-apply
-    fixture."""
+    fixture; one per ``k`` for ``PER_K_DRAFTERS``."""
     name = drafter.replace(":", "-")
+    if drafter in PER_K_DRAFTERS:
+        if k is None:
+            raise ValueError(f"the {drafter} drafter is written per k: give k")
+        name = f"{name}-k{k}"
     if Path(model_dir).resolve() == FASTAPPLY_DIR.resolve():
         return str(Path(tempfile.gettempdir()) / f"hsfork-fastapply-{name}")
     return f"{model_dir.rstrip('/')}-{name}"
@@ -327,19 +342,25 @@ def write_drafter(cell: Cell, model_dir: str, seed: int) -> None:
     MTP layers: vLLM loads a checkpoint with MTP layers as an MTP drafter,
     not as a draft model), of a draft_model:dense cell (an attention-only
     draft model, harness.models.write_dense_draft), of an eagle cell (a
-    random-weight EAGLE-1 head, harness.models.write_eagle_head) or of an
+    random-weight EAGLE-1 head, harness.models.write_eagle_head), of an
     eagle3 cell (a random-weight EAGLE-3 head,
-    harness.models.write_eagle3_head), once per
-    model folder."""
+    harness.models.write_eagle3_head), of a dflash cell (a random-weight
+    DFlash draft model, harness.models.write_dflash_head), of a medusa cell
+    (a random-weight Medusa head of k heads, harness.models.write_medusa_head)
+    or of a dspark cell (a random-weight DSpark draft model of block size k,
+    harness.models.write_dspark_head), once per model folder (and k, for
+    PER_K_DRAFTERS)."""
     from .models import (
         write_dense_draft,
         write_dflash_head,
+        write_dspark_head,
         write_eagle3_head,
         write_eagle_head,
+        write_medusa_head,
         write_model,
     )
 
-    out = Path(drafter_dir(model_dir, cell.drafter))
+    out = Path(drafter_dir(model_dir, cell.drafter, cell.k))
     if out.exists():
         return
     if cell.drafter == "draft_model":
@@ -349,12 +370,14 @@ def write_drafter(cell: Cell, model_dir: str, seed: int) -> None:
         write_model(kind, out, seed=seed, mtp=False, **dims)
     elif cell.drafter == "draft_model:dense":
         write_dense_draft(model_dir, out, seed=seed)
-    elif cell.drafter in ("eagle", "eagle3", "dflash"):
+    elif cell.drafter in ("eagle", "eagle3", "dflash", "medusa", "dspark"):
         # the fast-apply fixture's head is shared by runs: always seed 0
         write = {
             "eagle": write_eagle_head,
             "eagle3": write_eagle3_head,
             "dflash": write_dflash_head,
+            "medusa": functools.partial(write_medusa_head, num_heads=cell.k),
+            "dspark": functools.partial(write_dspark_head, block_size=cell.k),
         }[cell.drafter]
         write(model_dir, out, seed=0 if cell.model == FASTAPPLY else seed)
 
@@ -383,8 +406,11 @@ def spec_config(cell: Cell) -> dict | None:
         # attention-only draft model that repeats the last token; eagle,
         # eagle3: an EAGLE-1 / EAGLE-3 head reading the target's hidden
         # states; dflash: a DFlash draft model reading them and
-        # drafting its k tokens in one pass. engine_kwargs puts
-        # in the folder (drafter_dir) that run_cells writes.
+        # drafting its k tokens in one pass; medusa: k Medusa heads over
+        # the target's last hidden state (v0.26.0); dspark: a DSpark draft
+        # model, DFlash's pass plus a Markov head (Model Runner V2 only).
+        # engine_kwargs puts in the folder (drafter_dir) that run_cells
+        # writes.
         return {
             "method": cell.drafter.split(":")[0],
             "model": DRAFTER_DIR,
@@ -1252,6 +1278,37 @@ def slice_cells(name: str) -> list[Cell]:
         # hidden states after three layers and drafts its k tokens in one
         # pass over mask tokens): as eagle3-probe, without TurboQuant
         return _eagle_probe("dflash")
+    if name == "dspark-probe":
+        # DSpark drafting on a GDN hybrid (a random-weight DSpark draft
+        # model, harness.models.write_dspark_head: DFlash's one pass over the
+        # target's hidden states after three layers, then a Markov head left
+        # to right). Model Runner V2 only: as dflash-probe with MRV2 in V1's
+        # place (CUDA graphs included); the default runner (both lines pick
+        # MRV2 for it); one V1 cell for what V1 does with it (v0.33.0
+        # refuses it at config time; v0.26.0 builds no DSpark drafter there)
+        return (
+            _eagle_probe("dspark", runners=("mrv2",), graphs_runner="mrv2")
+            + [
+                Cell(m, "dspark", 3, 8, "default", async_sched=True)
+                for m in ("qwen3_5", FASTAPPLY)
+            ]
+            + [Cell(FASTAPPLY, "dspark", 3, 8, "v1", async_sched=True)]
+        )
+    if name == "medusa-probe":
+        # Medusa drafting on hybrids (a random-weight Medusa head of k heads,
+        # harness.models.write_medusa_head, over the target's last hidden
+        # state): v0.26.0's V1 runner only, none and align mode, no async
+        # scheduling (v0.26.0 takes it with EAGLE-like drafters only), for
+        # Qwen3.5 and the fast-apply model and for NemotronH (Mamba2; its
+        # config has the vocabulary at the top level, which v0.26.0's
+        # Medusa config reads from the target's); one MRV2 cell for what
+        # MRV2 does with it. v0.33.0 has no Medusa: every cell is refused
+        # at config time there
+        return [
+            Cell(m, "medusa", 3, 8, "v1", cm)
+            for m in ("qwen3_5", FASTAPPLY, "nemotron_h")
+            for cm in ("none", "align")
+        ] + [Cell("nemotron_h", "medusa", 3, 8, "mrv2")]
     if name == "drafters-tq-probe":
         # TurboQuant KV cache with the drafters that read the target's
         # hidden states or bring their own attention layers: EAGLE-3 on MRV2
@@ -1552,19 +1609,23 @@ def slice_cells(name: str) -> list[Cell]:
     raise ValueError(f"unknown slice {name}")
 
 
-def _eagle_probe(drafter: str) -> list[Cell]:
+def _eagle_probe(
+    drafter: str,
+    runners: tuple[str, ...] = ("v1", "mrv2"),
+    graphs_runner: str = "v1",
+) -> list[Cell]:
     """A head reading the target's hidden states (``drafter``: eagle,
-    eagle3 or dflash) for the random Qwen3.5 and the fast-apply model, both
-    runners, none and align mode, async scheduling; and on V1 with CUDA
-    graphs."""
+    eagle3, dflash or dspark) for the random Qwen3.5 and the fast-apply
+    model, on ``runners`` (default both), none and align mode, async
+    scheduling; and on ``graphs_runner`` with CUDA graphs."""
     return [
         Cell(m, drafter, 3, 8, r, cm, async_sched=True)
-        for r in ("v1", "mrv2")
+        for r in runners
         for m in ("qwen3_5", FASTAPPLY)
         for cm in ("none", "align")
     ] + [
-        Cell(FASTAPPLY, drafter, 3, 8, "v1", graphs="full_and_piecewise",
-             async_sched=True),
+        Cell(FASTAPPLY, drafter, 3, 8, graphs_runner,
+             graphs="full_and_piecewise", async_sched=True),
     ]  # fmt: skip
 
 
@@ -1575,8 +1636,9 @@ def family_cells(kind: str = "all") -> list[Cell]:
     attention-only draft model, scripted drafts, none and align mode with
     prefix hits, MTP where the fixture has a head (V1 and the default
     runner; scripted drafts through the MTP speculator on MRV2). A family
-    with none on either line (Mamba1: Jamba, Mamba): one n-gram and one
-    scripted cell, expected to be refused (``FAMILY_SPEC`` says why)."""
+    with none on either line (Mamba1: Jamba, Mamba; Plamo2, which v0.33.0
+    refuses as a model): one n-gram and one scripted cell, expected to be
+    refused (``FAMILY_SPEC`` says why)."""
     from .models import FAMILY_KINDS, FIXTURES
 
     if kind == "all":

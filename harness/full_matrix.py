@@ -15,7 +15,8 @@ one process per slice and variant):
    through its MTP head (scripted and MTP);
 4. NemotronH on Model Runner V2 through its MTP head, the draft_model
    method (an attention-only draft model, and a hybrid one that the fork
-   refuses) and EAGLE-3 heads on both runners;
+   refuses), EAGLE-3 and DFlash heads on both runners, DSpark on Model
+   Runner V2 and Medusa on V1 (v0.26.0; refused on v0.33.0);
 5. the paths production runs: stop token ids, structured output and ``n=2``
    requests, multi-turn conversations and 6-7k-token prompts, a block-FP8
    checkpoint, per-request n-gram draft lengths, and FlashInfer's GDN
@@ -73,6 +74,8 @@ RUNS: dict[int, tuple[str, ...]] = {
         "draft-model-probe:2",
         "eagle3-probe:2",
         "dflash-probe:2",
+        "dspark-probe:2",
+        "medusa-probe",
     ),
     5: (
         "requests:2",

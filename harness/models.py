@@ -5,11 +5,15 @@ attention, MTP weights), NemotronH (Mamba2), Qwen3-Next (GDN + attention,
 MoE, MTP weights), Kimi-Linear (KDA + MLA, MoE) and Granite-4.0-H (Mamba2,
 dense); and the other hybrid families (``FAMILY_FIXTURES``, slice
 ``families``): Falcon-H1, Zamba2, Jamba, LFM2, LFM2-MoE, Mamba, Mamba2,
-Qwen3.5-MoE (MTP weights) and OLMo-hybrid.
+Qwen3.5-MoE (MTP weights), OLMo-hybrid, Plamo2 (v0.26.0 only) and
+Bailing-MoE-linear (lightning attention + MLA, MoE, MTP weights).
 
 Deterministic from a seed; each is written in seconds on a CPU (transformers'
 own model classes make the weights, so the checkpoint names are the ones vLLM
-loads from published checkpoints).
+loads from published checkpoints; Plamo2, which transformers has no class
+for, gets a hand-written weight table: ``harness.models_plamo2``;
+Bailing-MoE-linear, likewise, a torch model of our own under the published
+names: ``harness.models_bailing``).
 
 Decisive greedy choices. Randomly initialised models (initializer_range 0.02)
 give logits with std ~0.3, so top-1/top-2 gaps of 1e-4 are common and bf16
@@ -738,6 +742,14 @@ EMBED_STD = {
     "mamba2": 1.0,
     "qwen3_5_moe": None,
     "olmo_hybrid": None,
+    # as NemotronH and Jamba; its margins are not measured here (no
+    # transformers model runs it)
+    "plamo2": 0.3,
+    # measured on its own forward (harness.models_bailing), seed 0, against
+    # the default 0.02: greedy top-1/top-2 gaps above 0.05 at 97.5 % of the
+    # steps (90 %), repeated bigrams at 21 % (12 %), fp32-bf16 log-prob
+    # drift 0.15 nats (0.36)
+    "bailing_moe_linear": 1.0,
 }
 # the final norm of the kinds whose output head vLLM ties to the embedding
 TIED_FINAL_NORM = {
@@ -854,8 +866,49 @@ FAMILY_FIXTURES: dict[str, dict] = {
         "GDN + attention",
         engine_kwargs={"gdn_prefill_backend": "triton"},
     ),
+    # hand-written weights and our own configuration module
+    # (harness.models_plamo2: neither transformers nor vLLM has a Plamo2
+    # config class); v0.33.0's registry dropped the class
+    "plamo2": _family(
+        "Plamo2ForCausalLM",
+        "Mamba2-style + attention",
+        lines=("v0.26.0",),
+        engine_kwargs={"trust_remote_code": True},
+    ),
+    # lightning (linear) attention + MLA, MoE, an MTP head; a torch model of
+    # our own makes the weights and our own configuration module the config
+    # (harness.models_bailing: transformers has neither, and its class for
+    # model_type "bailing_hybrid" is another model's). bfloat16 and an MLA
+    # backend as Kimi-Linear
+    "bailing_moe_linear": _family(
+        "BailingMoeV2_5ForCausalLM",
+        "lightning attention + MLA, MoE",
+        mtp=True,
+        mtp_architecture="BailingMoeV25MTPModel",
+        dtype="bfloat16",
+        engine_kwargs={"attention_backend": "TRITON_MLA", "trust_remote_code": True},
+    ),
 }
 FIXTURES.update(FAMILY_FIXTURES)
+# kinds with no transformers model class: their weights are a hand-written
+# table (build_model returns it in place of a model)
+HAND_WRITTEN = ("plamo2",)
+# kinds with no transformers model class whose model is a torch module of
+# our own (build_model returns it; it runs a forward)
+OWN_MODEL = ("bailing_moe_linear",)
+
+
+def on_line(kind: str, line: str | None = None) -> bool:
+    """Whether ``line`` (default: the installed vLLM's, ``harness.compat``)
+    has ``kind``'s class in its registry (``FIXTURES[kind]["lines"]``,
+    default every line)."""
+    if line is None:
+        from .compat import version_str
+
+        line = f"v{version_str()}"
+    lines = FIXTURES[kind].get("lines")
+    return lines is None or line in lines
+
 
 # Whether each of the other hybrid families (FAMILY_KINDS) has a
 # speculative decoding path in vLLM's source, per line; a string says why
@@ -882,6 +935,26 @@ FAMILY_SPEC = {
     },
     "qwen3_5_moe": {"v0.26.0": True, "v0.33.0": True},
     "olmo_hybrid": {"v0.26.0": True, "v0.33.0": True},
+    "plamo2": {
+        "v0.26.0": "Plamo2 Mamba mixer: decode calls causal_conv1d_update and "
+        "selective_state_update one token per request, without "
+        "num_accepted_tokens or spec state indices (models/plamo2.py:407, "
+        ":443); the fork refuses a speculative config for it (patch 0029, "
+        "models/config.py:684)",
+        "v0.33.0": "no Plamo2ForCausalLM: the registry lists it as supported "
+        "until v0.26.0 (models/registry.py:879) and refuses the architecture, "
+        "with or without speculation (:1231)",
+    },
+    # lightning attention verifies drafts on both lines (upstream code, no
+    # fork patch): _decode_infer reads num_accepted_tokens and per-draft
+    # state indices and runs one state update per draft position
+    # (layers/mamba/linear/bailing_linear_attn.py:660-685 on v0.33.0,
+    # :659-684 on v0.26.0); its metadata builder declares
+    # supports_spec_decode_metadata and builds state_indices_tensor_d of
+    # 1 + k slots (v1/attention/backends/linear_attn.py:115-230), and the V1
+    # runner passes it num_accepted_tokens (v1/worker/gpu_model_runner.py
+    # :2737 on v0.26.0, :2652 on v0.33.0). The MLA layers are attention
+    "bailing_moe_linear": {"v0.26.0": True, "v0.33.0": True},
 }
 FAMILY_SPEC["lfm2_moe"] = FAMILY_SPEC["lfm2"]
 
@@ -1011,6 +1084,11 @@ def _hf_model(kind: str, vocab: int, mtp: bool, linear_head_dim: int = 64):
         from transformers import Qwen3NextForCausalLM as cls
 
         cfg_dict = qwen3_next_config(vocab, mtp_layers=1 if mtp else 0)
+    elif kind == "bailing_moe_linear":
+        # no transformers class: our own torch model (its MTP layer included)
+        from .models_bailing import build
+
+        return build(vocab, MOE_EXPERTS, EOS_ID, mtp)
     elif kind == "kimi_linear":
         from transformers import KimiLinearConfig as cfg_cls
         from transformers import KimiLinearForCausalLM as cls
@@ -1061,7 +1139,7 @@ def checkpoint_tensors(model, kind: str, cfg_dict: dict) -> dict:
     ``mlp.`` to ``block_sparse_moe.``; published checkpoints (and vLLM's
     ``KimiMLP``) keep ``mlp.`` there."""
     sd = model.state_dict()
-    if kind in ("qwen3_5", "nemotron_h"):
+    if kind in ("qwen3_5", "nemotron_h", "bailing_moe_linear"):
         return {k: v.contiguous() for k, v in sd.items()}
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -1124,11 +1202,19 @@ def build_model(
 ):
     """``(config dict, transformers model)``: the fixture ``write_model``
     saves (its weights before ``checkpoint_tensors``; MTP weights are not
-    part of the transformers model)."""
+    part of the transformers model). A ``HAND_WRITTEN`` kind gives its
+    checkpoint tensors (a dict) in place of the model."""
     import torch
 
     if kind not in FIXTURES:
         raise ValueError(f"unknown model kind {kind!r}")
+    if kind == "plamo2":
+        from . import models_plamo2
+
+        cfg_dict = models_plamo2.plamo2_config(vocab, SPECIAL_IDS)
+        return cfg_dict, models_plamo2.weights(
+            cfg_dict, seed, lm_head_std, EMBED_STD[kind]
+        )
     torch.manual_seed(seed)
     cfg_dict, model = _hf_model(
         kind, vocab, mtp and FIXTURES[kind]["mtp"], linear_head_dim
@@ -1158,7 +1244,18 @@ def write_model(
     mtp = mtp and FIXTURES[kind]["mtp"]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = checkpoint_tensors(model, kind, cfg_dict)
+    if kind in HAND_WRITTEN:
+        tensors = model
+    else:
+        tensors = checkpoint_tensors(model, kind, cfg_dict)
+    if kind == "plamo2":
+        from .models_plamo2 import write_config_module
+
+        write_config_module(out)
+    if kind == "bailing_moe_linear":
+        from .models_bailing import write_config_module
+
+        write_config_module(out)
     if kind == "qwen3_5" and mtp:
         tensors.update(_mtp_tensors(model, cfg_dict["text_config"], seed))
     if kind == "qwen3_5_moe" and mtp:
@@ -1371,6 +1468,127 @@ def write_dflash_head(
     cfg = dflash_config(text, dflash_target_layers(text["num_hidden_layers"]))
     shapes, norms = _qwen3_head("layers.0", cfg, cfg["hidden_size"], "hidden_norm")
     return _save_head(out, cfg, shapes, norms, seed + 7, std)
+
+
+def dspark_config(
+    target_text: dict, target_layers: list[int], block_size: int, markov_rank: int
+) -> dict:
+    """A DSpark draft model for a Qwen3.5 target (text config
+    ``target_text``), the checkpoint layout vLLM's ``Qwen3DSparkForCausalLM``
+    loads (``Qwen3DSparkModel``, v0.26.0 and v0.33.0, Model Runner V2 only):
+    the DFlash backbone (Qwen3 decoder layers of the target's width over
+    the target's hidden states after the layers ``target_layers``, counted
+    from 0 before the first layer as DFlash's: vLLM adds 1) drafting a
+    block of ``block_size`` tokens in one pass, the anchor being the first
+    prediction (``sample_from_anchor``) and the other slots
+    ``mask_token_id``; then a low-rank Markov head (``markov_rank``) adds a
+    bias from the token drafted before, left to right. No confidence head.
+    The keys are those of the published dense DSpark checkpoints, with the
+    target layer ids at the top level (``target_layer_ids``). As many
+    decoder layers as target layers: v0.26.0 sizes the ``fc`` input by the
+    draft's layer count where the ids are not in a ``dflash_config``
+    (``models/qwen3_dflash.py:398``), v0.33.0 by the ids."""
+    vocab = target_text["vocab_size"]
+    return _head_config(target_text, "Qwen3DSparkModel", "qwen3") | {
+        "num_hidden_layers": len(target_layers),
+        "draft_vocab_size": vocab,
+        "target_hidden_size": target_text["hidden_size"],
+        "target_layer_ids": target_layers,
+        "use_aux_hidden_state": True,
+        # the drafted query slots take this id's embedding (any id of the
+        # vocabulary serves a random-weight draft)
+        "mask_token_id": vocab - 1,
+        "block_size": block_size,
+        "markov_rank": markov_rank,
+        "markov_head_type": "vanilla",
+        "sample_from_anchor": True,
+        "dspark_bonus_anchor": False,
+    }
+
+
+def write_dspark_head(
+    target: str | Path,
+    out: str | Path,
+    seed: int = 0,
+    std: float = 0.02,
+    block_size: int = 3,
+    markov_rank: int = 16,
+) -> Path:
+    """Write a DSpark draft model (``dspark_config``, weights normal(0,
+    ``std``), norms 1) for the Qwen3.5 fixture in ``target`` into ``out``,
+    reading the target layers DFlash's head reads
+    (``dflash_target_layers``), one decoder layer for each. It shares the
+    target's token embedding (vLLM shares it when the checkpoint has none)
+    and brings its own LM head and Markov head (``markov_head.markov_w1``:
+    vocabulary x rank, ``markov_head.markov_w2``: draft vocabulary x rank).
+    Random weights rarely draft the target's token, as the EAGLE heads'."""
+    text = json.loads((Path(target) / "config.json").read_text())["text_config"]
+    layers = dflash_target_layers(text["num_hidden_layers"])
+    cfg = dspark_config(text, layers, block_size, markov_rank)
+    shapes, norms = {}, {}
+    for i in range(cfg["num_hidden_layers"]):
+        s, n = _qwen3_head(f"layers.{i}", cfg, cfg["hidden_size"], "hidden_norm")
+        shapes |= s
+        norms |= n
+    shapes |= {
+        "markov_head.markov_w1.weight": (cfg["vocab_size"], markov_rank),
+        "markov_head.markov_w2.weight": (cfg["draft_vocab_size"], markov_rank),
+    }
+    return _save_head(out, cfg, shapes, norms, seed + 11, std)
+
+
+def medusa_config(target_text: dict, num_heads: int) -> dict:
+    """A Medusa head for a target (text config ``target_text``), the
+    checkpoint layout vLLM v0.26.0's ``Medusa`` loads (``MedusaConfig``,
+    model type ``medusa``; v0.33.0 has no Medusa): ``num_heads`` heads over
+    the target's last hidden state, each a residual block of
+    ``num_hidden_layers`` SiLU linear layers of the target's width (with
+    bias, ``medusa_fc_bias``) and an LM head of its own over the whole
+    vocabulary (no ``token_map``: ``truncated_vocab_size`` is the
+    vocabulary); head i drafts the token i + 1 places after the target's
+    next token, so vLLM drafts ``num_heads`` tokens a step. MedusaConfig
+    renames every key with "num" and "heads" (or "layers") in its name to
+    ``num_heads`` (``num_hidden_layers``): the config carries no other such
+    key."""
+    vocab = target_text["vocab_size"]
+    return {
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "hidden_size": target_text["hidden_size"],
+        "vocab_size": vocab,
+        "truncated_vocab_size": vocab,
+        "num_heads": num_heads,
+        "num_hidden_layers": 1,
+        "medusa_fc_bias": True,
+        "eos_token_id": EOS_ID,
+        "dtype": "bfloat16",
+    }
+
+
+def write_medusa_head(
+    target: str | Path,
+    out: str | Path,
+    seed: int = 0,
+    std: float = 0.02,
+    num_heads: int = 3,
+) -> Path:
+    """Write a Medusa head (``medusa_config``, weights and biases normal(0,
+    ``std``)) of ``num_heads`` heads for the fixture in ``target`` (Qwen3.5,
+    or any other whose config has the width and vocabulary at the top
+    level, e.g. NemotronH) into ``out``, under vLLM's parameter names
+    (``blocks.<head>.layers.<i>``, ``lm_heads.<head>``). A speculative
+    config runs it with ``num_speculative_tokens`` = ``num_heads``. Random
+    weights rarely draft the target's token, as the EAGLE heads'."""
+    config = json.loads((Path(target) / "config.json").read_text())
+    cfg = medusa_config(config.get("text_config", config), num_heads)
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    shapes = {}
+    for i in range(num_heads):
+        for j in range(cfg["num_hidden_layers"]):
+            shapes[f"blocks.{i}.layers.{j}.weight"] = (h, h)
+            shapes[f"blocks.{i}.layers.{j}.bias"] = (h,)
+        shapes[f"lm_heads.{i}.weight"] = (vocab, h)
+    return _save_head(out, cfg, shapes, {}, seed + 9, std)
 
 
 def eagle_config(target_text: dict) -> dict:

@@ -61,6 +61,8 @@ FAMILIES: dict[str, str] = {
     "lfm2": "LFM2 (short conv)",
     "lfm2_moe": "LFM2-MoE (short conv)",
     "olmo_hybrid": "OLMo-hybrid (GDN)",
+    "plamo2": "Plamo2 (Mamba2-style)",
+    "bailing_moe_linear": "Bailing-MoE-linear (lightning attention)",
 }
 # the cells' ``drafter`` -> a drafter kind (``scripted:<schedule>`` -> scripted)
 DRAFTERS: dict[str, str] = {
@@ -70,6 +72,8 @@ DRAFTERS: dict[str, str] = {
     "eagle3": "EAGLE-3",
     "eagle": "EAGLE-1",
     "dflash": "DFlash",
+    "dspark": "DSpark",
+    "medusa": "Medusa",
     "draft_model:dense": "draft model (attention-only)",
     "draft_model": "draft model (hybrid)",
     "scripted": "scripted drafts (test drafter)",
@@ -106,8 +110,18 @@ def reason(cell: dict) -> str:
     sentence, at most 200 characters."""
     text = str(cell.get("error") or cell.get("reason") or "").strip()
     m = re.search(r"Value error, (.*?)(?: \[type=|$)", text, re.S)
+    # pydantic's other errors name the field, then say what it takes
+    # (a method a line lacks: "method\n  Input should be 'ngram', ...")
+    other = re.search(
+        r"validation error for \w+\n(\w+)\n\s+(.*?) "
+        r"\[type=\w+, input_value=('[^']*'|\S+?),",
+        text,
+        re.S,
+    )
     if m:
         msg = m.group(1)
+    elif other:
+        msg = f"{other.group(1)} {other.group(3)}: {other.group(2)}"
     else:
         found = re.findall(r"^\s*[\w.]*(?:Error|Exception)\w*: (.+)$", text, re.M)
         msg = found[-1] if found else (text.splitlines() or ["no reason given"])[0]

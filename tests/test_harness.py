@@ -575,6 +575,57 @@ def test_eagle_cells_write_and_use_a_head(tmp_path, drafter, arch):
     assert not drafter_dir(str(FASTAPPLY_DIR), drafter).startswith(str(FASTAPPLY_DIR))
 
 
+@pytest.mark.parametrize(
+    ("drafter", "arch", "size_key"),
+    [
+        ("medusa", "MedusaModel", "num_heads"),
+        ("dspark", "Qwen3DSparkModel", "block_size"),
+    ],
+)
+def test_medusa_and_dspark_cells_write_a_head_per_k(tmp_path, drafter, arch, size_key):
+    """Medusa drafts one token per head and DSpark a block of its size: a
+    cell's head is written for its k, in a folder of its own per k, and the
+    speculative config asks for k tokens. medusa-probe runs V1 without async
+    scheduling (v0.26.0 refuses it with Medusa) and one MRV2 cell;
+    dspark-probe runs Model Runner V2 and the default runner, and one V1
+    cell."""
+    pytest.importorskip("torch")
+    from harness.equivalence import (
+        Cell,
+        drafter_dir,
+        engine_kwargs,
+        slice_cells,
+        spec_config,
+        write_drafter,
+    )
+    from harness.models import write_model
+
+    cells = slice_cells(f"{drafter}-probe")
+    assert {c.drafter for c in cells} == {drafter}
+    if drafter == "medusa":
+        assert [c.runner for c in cells].count("mrv2") == 1
+        assert not any(c.async_sched for c in cells)
+        assert {c.model for c in cells} == {"qwen3_5", "fastapply", "nemotron_h"}
+    else:
+        assert [c.runner for c in cells].count("v1") == 1
+        assert {c.runner for c in cells} == {"v1", "mrv2", "default"}
+        assert any(c.graphs != "eager" and c.runner == "mrv2" for c in cells)
+    assert {c.cache_mode for c in cells} == {"none", "align"}
+    target = str(write_model("qwen3_5", tmp_path / "model-qwen3_5"))
+    for k in (3, 5):
+        cell = Cell("qwen3_5", drafter, k, 8, "mrv2" if drafter == "dspark" else "v1")
+        write_drafter(cell, target, seed=0)
+        head = drafter_dir(target, drafter, k)
+        assert head.endswith(f"-{drafter}-k{k}")
+        cfg = json.loads(Path(head, "config.json").read_text())
+        assert cfg["architectures"] == [arch] and cfg[size_key] == k
+        spec = engine_kwargs(cell, target, spec_config(cell))["speculative_config"]
+        assert spec["method"] == drafter and spec["model"] == head
+        assert spec["num_speculative_tokens"] == k
+    with pytest.raises(ValueError, match="per k"):
+        drafter_dir(target, drafter)
+
+
 # --- vLLM lines (harness.compat) ----------------------------------------------
 
 LINES = ("0.26.0", "0.33.0")

@@ -24,21 +24,48 @@ import pytest
 
 from harness.models import (
     FIXTURES,
+    HAND_WRITTEN,
     KINDS,
+    OWN_MODEL,
     build_model,
     dflash_target_layers,
     main,
+    on_line,
     vllm_loads,
     write_dense_draft,
     write_dflash_head,
+    write_dspark_head,
     write_eagle3_head,
     write_eagle_head,
+    write_medusa_head,
     write_model,
 )
 
 EAGLE3 = "eagle3"  # a spec's arch: the EAGLE-3 head, built as vLLM resolves it
 EAGLE = "eagle"  # the EAGLE-1 head, likewise
 DFLASH = "dflash"  # the DFlash draft model (write_dflash_head), likewise
+MEDUSA = "medusa"  # the Medusa head (write_medusa_head), likewise
+DSPARK = "dspark"  # the DSpark draft model (write_dspark_head), likewise
+# heads written beside their target, built under its config
+HEADS = {
+    EAGLE3: write_eagle3_head,
+    EAGLE: write_eagle_head,
+    DFLASH: write_dflash_head,
+    MEDUSA: write_medusa_head,
+    DSPARK: write_dspark_head,
+}
+# (target kind, head) -> {line: a piece of the error vLLM raises building
+# the speculative config}: v0.33.0 has no Medusa (its method list refuses
+# "medusa"); v0.26.0's Medusa config reads the vocabulary from the target's
+# top-level config, which the Qwen3.5 fixture (a multimodal config) lacks
+# (config/speculative.py:911)
+REFUSED_HEADS = {
+    ("qwen3_5", MEDUSA): {
+        "v0.26.0": "'Qwen3_5Config' object has no attribute 'vocab_size'",
+        "v0.33.0": "Input should be",
+    },
+    ("nemotron_h", MEDUSA): {"v0.33.0": "Input should be"},
+}
 DENSE_DRAFT = "Qwen3ForCausalLM"  # a spec's arch: the draft of write_dense_draft
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,17 +92,29 @@ def test_registry_and_cli(tmp_path):
         assert info["mtp"] == FIXTURES[kind]["mtp"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# a kind whose model is our own torch module (Bailing-MoE-linear) has no
+# transformers class to load it back: test_bailing_moe_linear_layout checks
+# its checkpoint against that module
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in OWN_MODEL])
 def test_checkpoint_round_trips_through_transformers(tmp_path, kind):
     """The checkpoint names are the ones transformers' conversion loads back
     (fused experts, Kimi-Linear's split conv and renamed MoE): nothing
     missing, unexpected or reshaped, and every weight equal to the model's
-    that wrote it."""
+    that wrote it (for a hand-written kind, to its weight table)."""
     import torch
     import transformers
 
     path = write_model(kind, tmp_path / "m", seed=5)
     _, ref = build_model(kind, seed=5)
+    if kind in HAND_WRITTEN:
+        # no transformers class: the checkpoint is the hand-written table
+        got = _tensors(path)
+        assert set(got) == set(ref)
+        for name, t in ref.items():
+            assert torch.equal(got[name], t), name
+        cfg = json.loads((path / "config.json").read_text())
+        assert cfg["dtype"] == FIXTURES[kind]["dtype"]
+        return
     cls = getattr(transformers, type(ref).__name__)
     model, info = cls.from_pretrained(
         path, dtype=torch.float32, output_loading_info=True
@@ -171,6 +210,206 @@ def test_kimi_linear_layout(tmp_path):
             assert not any(k.startswith(p + "mlp.") for k in t)
 
 
+def test_plamo2_layout(tmp_path):
+    """Published Plamo2 names under ``model.layers.layers.<i>``, exactly
+    those vLLM's Plamo2Model loads: Mamba and attention layers as its
+    ``is_mamba`` places them (both present); Mamba with the fused in_proj,
+    a depthwise conv, the bcdt/dt projections (rank max(64, hidden/16)),
+    per-head A_log, D and dt_bias, and dt/B/C norm weights; attention with
+    fused qkv and per-head q/k norm weights; zero-centred layer and final
+    norms (vLLM adds their offsets); an untied output head. The config
+    class is the fixture's own module, through trust_remote_code."""
+    import torch
+    from transformers import AutoConfig
+
+    from harness.models_plamo2 import CONFIG_FILE, time_step_rank
+
+    path = write_model("plamo2", tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["auto_map"] == {"AutoConfig": "configuration_plamo2.Plamo2Config"}
+    assert (path / CONFIG_FILE).is_file()
+    hf = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    assert type(hf).__name__ == "Plamo2Config" and hf.model_type == "plamo2"
+    assert (hf.mamba_step, hf.hidden_size_per_head) == (2, 64)
+    assert hf.tie_word_embeddings is False
+
+    ts = _tensors(path)
+    t = {k: tuple(v.shape) for k, v in ts.items()}
+    h, hd, n = cfg["hidden_size"], cfg["hidden_size_per_head"], cfg["num_hidden_layers"]
+    nh, s, kc = cfg["mamba_num_heads"], cfg["mamba_d_state"], cfg["mamba_d_conv"]
+    nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    ff = cfg["intermediate_size"]
+    inner, rank = nh * hd, time_step_rank(cfg)
+    assert rank == 64
+    # vLLM's is_mamba for mamba_step 2 and four layers
+    step = cfg["mamba_step"]
+    mamba = [i % step != step // 2 for i in range(n)]
+    assert mamba == [True, False, True, False]
+    want = {
+        "model.embed_tokens.weight": (cfg["vocab_size"], h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (cfg["vocab_size"], h),
+    }
+    for i in range(n):
+        p, m = f"model.layers.layers.{i}.", f"model.layers.layers.{i}.mixer."
+        for norm in ("pre_mixer_norm", "post_mixer_norm", "pre_mlp_norm",
+                     "post_mlp_norm"):  # fmt: skip
+            want[p + f"{norm}.weight"] = (h,)
+        want[p + "mlp.gate_up_proj.weight"] = (2 * ff, h)
+        want[p + "mlp.down_proj.weight"] = (h, ff)
+        if mamba[i]:
+            want |= {
+                m + "in_proj.weight": (2 * inner, h),
+                m + "conv1d.weight": (inner, 1, kc),
+                m + "bcdt_proj.weight": (rank + 2 * s, inner),
+                m + "dt_proj.weight": (nh, rank),
+                m + "dt_bias": (nh,),
+                m + "A_log": (nh,),
+                m + "D": (nh,),
+                m + "dt_norm_weight": (rank,),
+                m + "B_norm_weight": (s,),
+                m + "C_norm_weight": (s,),
+                m + "out_proj.weight": (h, inner),
+            }
+            dt = torch.nn.functional.softplus(ts[m + "dt_bias"])
+            assert ((dt >= 1e-4) & (dt <= 0.1 + 1e-6)).all()
+        else:
+            want |= {
+                m + "qkv_proj.weight": ((nq + 2 * nkv) * hd, h),
+                m + "o_proj.weight": (h, nq * hd),
+                m + "q_weight": (nq, hd),
+                m + "k_weight": (nkv, hd),
+            }
+    assert t == want
+    for name, v in ts.items():
+        if name.endswith(("_norm.weight", "model.norm.weight")):
+            assert not v.any(), name  # zero-centred
+
+
+def test_bailing_moe_linear_layout(tmp_path):
+    """Published Bailing-MoE-linear (Ling/Ring 2.5) names, exactly those
+    vLLM's BailingMoeV25Model and BailingMoeV25MTPModel load: the layer
+    pattern of ``layer_group_size`` (lightning attention, then MLA as the
+    last layer of each group; both present); lightning attention with the
+    fused query_key_value, q/k norms, g_proj, g_norm and ``dense``; MLA
+    without q LoRA (q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
+    ``dense``); layer 0 a dense ``mlp``, the later ones the MoE (router with
+    its expert_bias, per-expert projections, a shared expert); the MTP layer
+    as ``model.layers.<num_hidden_layers>`` (enorm, hnorm, eh_proj, MLA +
+    MoE, final_layernorm), and none without MTP. The config class is the
+    fixture's own module (transformers' class for "bailing_hybrid" is
+    another model's), through trust_remote_code; the checkpoint holds the
+    weights of the module build_model returns."""
+    import torch
+    from transformers import AutoConfig
+
+    from harness.models_bailing import CONFIG_FILE, is_linear_layer, is_moe_layer
+
+    kind = "bailing_moe_linear"
+    path = write_model(kind, tmp_path / "m", seed=5)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["BailingMoeV2_5ForCausalLM"]
+    # the model type vLLM keys its MLA detection and the MTP switch on
+    assert cfg["model_type"] == "bailing_hybrid"
+    cls = "BailingMoeLinearConfig"
+    assert cfg["auto_map"] == {"AutoConfig": f"{CONFIG_FILE[:-3]}.{cls}"}
+    assert (path / CONFIG_FILE).is_file()
+    hf = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    assert type(hf).__name__ == cls and hf.model_type == "bailing_hybrid"
+    # transformers' BailingHybridConfig sets head_dim to qk_rope_head_dim
+    assert (hf.head_dim, hf.qk_rope_head_dim) == (64, 64)
+    assert (hf.layer_group_size, hf.num_nextn_predict_layers) == (4, 1)
+    assert hf.num_experts_per_tok == hf.num_experts  # every expert routed
+    assert hf.tie_word_embeddings is False
+
+    n = cfg["num_hidden_layers"]
+    # whole groups: the published modeling code makes the layers of a
+    # trailing partial group full attention, vLLM linear
+    assert n % cfg["layer_group_size"] == 0
+    linear = [is_linear_layer(cfg, i) for i in range(n)]
+    assert linear == [True, True, True, False]
+    moe = [is_moe_layer(cfg, i) for i in range(n)]
+    assert moe == [False, True, True, True]
+
+    ts = _tensors(path)
+    t = {k: tuple(v.shape) for k, v in ts.items()}
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    nh, d = cfg["num_attention_heads"], cfg["head_dim"]
+    nope, rope = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+    vd, rank = cfg["v_head_dim"], cfg["kv_lora_rank"]
+    ne, inter = cfg["num_experts"], cfg["moe_intermediate_size"]
+    ff = cfg["intermediate_size"]
+
+    def mlp(p, size):
+        return {
+            p + "gate_proj.weight": (size, h),
+            p + "up_proj.weight": (size, h),
+            p + "down_proj.weight": (h, size),
+        }
+
+    def mla(p):
+        a = p + "attention."
+        return {
+            a + "q_proj.weight": (nh * (nope + rope), h),
+            a + "kv_a_proj_with_mqa.weight": (rank + rope, h),
+            a + "kv_a_layernorm.weight": (rank,),
+            a + "kv_b_proj.weight": (nh * (nope + vd), rank),
+            a + "dense.weight": (h, nh * vd),
+        }
+
+    def moe_block(p):
+        out = {p + "mlp.gate.weight": (ne, h), p + "mlp.gate.expert_bias": (ne,)}
+        for e in range(ne):
+            out |= mlp(p + f"mlp.experts.{e}.", inter)
+        return out | mlp(p + "mlp.shared_experts.", inter)
+
+    want = {
+        "model.word_embeddings.weight": (vocab, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (vocab, h),
+    }
+    for i in range(n):
+        p = f"model.layers.{i}."
+        want |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+        if linear[i]:
+            a = p + "attention."
+            want |= {
+                a + "query_key_value.weight": (3 * nh * d, h),
+                a + "query_layernorm.weight": (d,),
+                a + "key_layernorm.weight": (d,),
+                a + "g_proj.weight": (nh * d, h),
+                a + "g_norm.weight": (nh * d,),
+                a + "dense.weight": (h, nh * d),
+            }
+        else:
+            want |= mla(p)
+        want |= moe_block(p) if moe[i] else mlp(p + "mlp.", ff)
+    p = f"model.layers.{n}."
+    for norm in ("enorm", "hnorm", "input_layernorm", "post_attention_layernorm",
+                 "final_layernorm"):  # fmt: skip
+        want[p + f"{norm}.weight"] = (h,)
+    want[p + "eh_proj.weight"] = (h, 2 * h)
+    want |= mla(p) | moe_block(p)
+    assert t == want
+
+    # the checkpoint is the module's weights, output head and embedding as
+    # build_model draws them
+    _, model = build_model(kind, seed=5)
+    sd = model.state_dict()
+    assert set(sd) == set(ts)
+    for name, w in sd.items():
+        assert torch.equal(ts[name], w), name
+    assert cfg["dtype"] == FIXTURES[kind]["dtype"]
+
+    plain = write_model(kind, tmp_path / "plain", mtp=False)
+    plain_cfg = json.loads((plain / "config.json").read_text())
+    assert plain_cfg["num_nextn_predict_layers"] == 0
+    assert not any(k.startswith(p) for k in _tensors(plain))
+
+
 def test_dense_draft_repeats_the_last_token(tmp_path):
     """The attention-only draft model has the target's vocabulary and
     tokenizer and predicts, at every position, the token it was given."""
@@ -199,12 +438,19 @@ def test_dense_draft_repeats_the_last_token(tmp_path):
 def test_families_slice():
     """Every other hybrid family has cells; MTP cells where the fixture has
     a head; a family with no spec path on any line only the two cells that
-    record that it should be refused."""
+    record that it should be refused (Jamba, Mamba and Plamo2: the fork
+    refuses Plamo2 with a speculative config on v0.26.0; v0.33.0 has no
+    Plamo2 class and refuses the model itself)."""
     from harness.equivalence import FAMILY_SPEC, dry_run, slice_cells
     from harness.models import FAMILY_KINDS
 
     cells = slice_cells("families")
-    assert len(cells) == 70
+    # 6 families with a spec path x 9 cells, Qwen3.5-MoE's and
+    # Bailing-MoE-linear's 12 each (MTP), and 2 each for Jamba, Mamba and
+    # Plamo2
+    assert len(cells) == 84
+    assert len([c for c in cells if c.model == "plamo2"]) == 2
+    assert len([c for c in cells if c.model == "bailing_moe_linear"]) == 12
     assert {c.model for c in cells} == set(FAMILY_KINDS) == set(FAMILY_SPEC)
     assert cells == [c for k in FAMILY_KINDS for c in slice_cells(f"families-{k}")]
     for kind in FAMILY_KINDS:
@@ -235,6 +481,11 @@ def _vllm_specs():
     specs.append(("qwen3_5", EAGLE3, "bfloat16"))
     specs.append(("qwen3_5", EAGLE, "bfloat16"))
     specs.append(("qwen3_5", DFLASH, "bfloat16"))
+    specs.append(("qwen3_5", DSPARK, "bfloat16"))
+    # Medusa (v0.26.0): for Qwen3.5 v0.26.0 refuses the pair (REFUSED_HEADS);
+    # NemotronH's text-only config carries the vocabulary it reads
+    specs.append(("qwen3_5", MEDUSA, "bfloat16"))
+    specs.append(("nemotron_h", MEDUSA, FIXTURES["nemotron_h"]["dtype"]))
     specs.append(("qwen3_5", DENSE_DRAFT, "bfloat16"))
     # Qwen3.5 with GDN heads of 128 (the flashinfer slice's QWEN3_5_D128)
     q = FIXTURES["qwen3_5"]
@@ -264,13 +515,8 @@ def vllm_results(tmp_path_factory):
         path = tmp_dir / kind
         if not path.exists():
             _write_fixture(kind, path)
-        if arch in (EAGLE3, EAGLE, DFLASH):
-            write = {
-                EAGLE3: write_eagle3_head,
-                EAGLE: write_eagle_head,
-                DFLASH: write_dflash_head,
-            }[arch]
-            head = write(path, tmp_dir / f"{kind}-{arch}")
+        if arch in HEADS:
+            head = HEADS[arch](path, tmp_dir / f"{kind}-{arch}")
             specs.append([kind, f"{path}{os.pathsep}{head}", arch, dtype])
             continue
         if arch == DENSE_DRAFT:
@@ -322,10 +568,27 @@ def test_vllm_model_loads_every_parameter(vllm_results, spec):
     """vLLM's class for the architecture (MTP drafters included), built on
     the CPU from the fixture's config.json, takes every checkpoint tensor
     (its loader raises on an unknown name or a wrong shape) and has every
-    element of every parameter written (parameters are NaN before)."""
+    element of every parameter written (parameters are NaN before). On a
+    line whose registry lacks the class, vLLM refuses it instead."""
     r = vllm_results[spec[:2]]
     if r["skip"]:
         pytest.skip(r["skip"])
+    if not on_line("qwen3_5" if spec[0] == D128 else spec[0]):
+        # not in this line's registry (FIXTURES' ``lines``; Plamo2 on
+        # v0.33.0): vLLM refuses the architecture when the config is built
+        assert r["error"] is not None, "loads on a line it is not listed for"
+        assert spec[1] in r["error"] and "not supported" in r["error"], r["error"]
+        return
+    from harness.compat import version_str
+
+    refused = REFUSED_HEADS.get(spec[:2], {}).get(f"v{version_str()}")
+    if refused is not None:
+        # a head this line has no drafter for, or cannot build for this
+        # target: vLLM says so when the speculative config is built (a line
+        # that takes the pair shows here)
+        assert r["error"] is not None, "builds on a line that refused it"
+        assert refused in r["error"], r["error"]
+        return
     assert r["error"] is None, r["error"]
     assert r["unloaded"] == [], r["unloaded"]
     assert r["unexpected"] == [], r["unexpected"]
@@ -406,11 +669,18 @@ def _check(path: str, arch: str, dtype: str, init) -> dict:
     from harness.compat import mtp_needs_spec_config
 
     spec = None
-    if arch in (EAGLE3, EAGLE, DFLASH):
+    if arch in HEADS:
         # "target<pathsep>head": the head is built under the target's config
         path, head = path.split(os.pathsep)
+    # a fixture whose config class is its own configuration module (Plamo2:
+    # harness.models_plamo2) names it in config.json's auto_map
+    remote = "auto_map" in json.loads((Path(path) / "config.json").read_text())
     mc = ModelConfig(
-        model=path, dtype=dtype, skip_tokenizer_init=True, enforce_eager=True
+        model=path,
+        dtype=dtype,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        trust_remote_code=remote,
     )
     if arch.endswith(("MTP", "MTPModel")) and mtp_needs_spec_config():
         # v0.33.0: MTP classes read the drafter's quantization config
@@ -420,7 +690,8 @@ def _check(path: str, arch: str, dtype: str, init) -> dict:
             target_model_config=mc,
             target_parallel_config=ParallelConfig(),
         )
-    if arch in (EAGLE3, EAGLE, DFLASH):
+    if arch in HEADS:
+        # 3: the heads' default number of Medusa heads and DSpark block size
         spec = SpeculativeConfig(
             method=arch,
             model=head,
@@ -477,12 +748,14 @@ def _check(path: str, arch: str, dtype: str, init) -> dict:
         model, "has_own_lm_head", False
     ):
         shared = {"lm_head.weight"} - loaded
-    # an EAGLE or DFlash head without a token embedding takes the target's
-    if arch.startswith(("Eagle", "DFlash")):
+    # an EAGLE, DFlash or DSpark head without a token embedding takes the
+    # target's
+    if arch.startswith(("Eagle", "DFlash", "Qwen3DSpark")):
         shared = {"model.embed_tokens.weight"} - loaded
     # DFlash reads its mask_embedding only from a mask_embedding.pt shipped
-    # beside the checkpoint (none here: the mask token's own embedding row)
-    if arch.startswith("DFlash"):
+    # beside the checkpoint (none here: the mask token's own embedding row);
+    # DSpark never loads it (it masks with the mask token's row)
+    if arch.startswith(("DFlash", "Qwen3DSpark")):
         shared |= {"model.mask_embedding"} - loaded
     return {
         "unloaded": sorted(names - loaded - shared),
@@ -540,7 +813,15 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize(
-    "kind", ["qwen3_next", "qwen3_5_moe", "kimi_linear", "jamba", "lfm2_moe"]
+    "kind",
+    [
+        "qwen3_next",
+        "qwen3_5_moe",
+        "kimi_linear",
+        "jamba",
+        "lfm2_moe",
+        "bailing_moe_linear",
+    ],
 )
 def test_moe_fixtures_do_not_swap_experts_under_bf16_noise(kind):
     """A MoE fixture's next-token log-probabilities move by no more between
@@ -607,3 +888,89 @@ def test_dflash_head_reads_three_distinct_target_layers(tmp_path):
         assert len(set(ids)) == 3 and max(ids) <= n - 2
     with pytest.raises(ValueError, match="4 layers"):
         dflash_target_layers(3)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+def test_medusa_head_layout(tmp_path, kind):
+    """A Medusa head of n heads: the config keys vLLM's MedusaConfig reads
+    (num_heads n, one residual layer with bias, the target's width and
+    vocabulary, no truncated vocabulary) and no other key with "num" and
+    "heads" or "layers" in its name (MedusaConfig renames every such key
+    to num_heads / num_hidden_layers); vLLM's parameter names, one residual
+    block and one LM head per head, in the shapes its Medusa class has."""
+    target = tmp_path / kind
+    write_model(kind, target)
+    tcfg = json.loads((target / "config.json").read_text())
+    text = tcfg.get("text_config", tcfg)
+    h, v = text["hidden_size"], text["vocab_size"]
+    for n in (1, 4):
+        head = write_medusa_head(target, tmp_path / f"medusa{n}", num_heads=n)
+        cfg = json.loads((head / "config.json").read_text())
+        assert cfg["architectures"] == ["MedusaModel"]
+        assert cfg["model_type"] == "medusa"
+        assert (cfg["num_heads"], cfg["num_hidden_layers"]) == (n, 1)
+        assert (cfg["hidden_size"], cfg["vocab_size"]) == (h, v)
+        assert cfg["truncated_vocab_size"] == v and cfg["medusa_fc_bias"] is True
+        renamed = [k for k in cfg if "num" in k and ("heads" in k or "layers" in k)]
+        assert sorted(renamed) == ["num_heads", "num_hidden_layers"]
+        want = {}
+        for i in range(n):
+            want[f"blocks.{i}.layers.0.weight"] = (h, h)
+            want[f"blocks.{i}.layers.0.bias"] = (h,)
+            want[f"lm_heads.{i}.weight"] = (v, h)
+        assert {k: tuple(t.shape) for k, t in _tensors(head).items()} == want
+
+
+def test_dspark_head_layout_and_target_layers(tmp_path):
+    """A DSpark head reads the target layers DFlash's head reads: three
+    distinct ones (vLLM adds 1 to each and collects one hidden state per
+    distinct layer; fc takes three), at the top level where vLLM's dense
+    DSpark lookup finds them (no dflash_config or eagle_config, whose ids
+    it reads first), and one decoder layer per target layer (v0.26.0 sizes
+    fc by the draft's layer count). Block size and Markov rank as asked,
+    the anchor predicting, its own LM head and Markov head, the target's
+    token embedding."""
+    target = tmp_path / "qwen3_5"
+    write_model("qwen3_5", target)
+    text = json.loads((target / "config.json").read_text())["text_config"]
+    n, h, v = text["num_hidden_layers"], text["hidden_size"], text["vocab_size"]
+    head = write_dspark_head(target, tmp_path / "dspark", block_size=5, markov_rank=8)
+    cfg = json.loads((head / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["model_type"] == "qwen3"
+    ids = cfg["target_layer_ids"]
+    assert ids == dflash_target_layers(n)
+    assert len(set(ids)) == 3 and all(1 <= i + 1 <= n - 1 for i in ids), (n, ids)
+    assert "dflash_config" not in cfg and "eagle_config" not in cfg
+    assert cfg["num_hidden_layers"] == len(ids)
+    assert (cfg["block_size"], cfg["markov_rank"]) == (5, 8)
+    assert cfg["sample_from_anchor"] is True and cfg["dspark_bonus_anchor"] is False
+    assert cfg["use_aux_hidden_state"] is True and 0 <= cfg["mask_token_id"] < v
+    assert (cfg["target_hidden_size"], cfg["draft_vocab_size"]) == (h, v)
+    t = {k: tuple(x.shape) for k, x in _tensors(head).items()}
+    assert t["fc.weight"] == (h, 3 * h)
+    assert t["markov_head.markov_w1.weight"] == (v, 8)
+    assert t["markov_head.markov_w2.weight"] == (v, 8)
+    assert t["lm_head.weight"] == (v, h)
+    assert t["hidden_norm.weight"] == t["norm.weight"] == (h,)
+    layers = {k.split(".")[1] for k in t if k.startswith("layers.")}
+    assert layers == {str(i) for i in range(len(ids))}
+    assert not any("embed_tokens" in k or "confidence_head" in k for k in t)
+
+
+def test_vllm_reads_the_dspark_head_target_layers(tmp_path):
+    """vLLM's own lookup of the target layers a drafter reads (the one that
+    sets the target's auxiliary hidden states on Model Runner V2) finds the
+    DSpark head's three, each plus one."""
+    pytest.importorskip("vllm")
+    aux = pytest.importorskip("vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils")
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    target = tmp_path / "qwen3_5"
+    write_model("qwen3_5", target)
+    head = write_dspark_head(target, tmp_path / "dspark")
+    ids = json.loads((head / "config.json").read_text())["target_layer_ids"]
+    hf = AutoConfig.from_pretrained(head)
+    spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf))
+    assert aux.get_eagle3_aux_layers_from_config(spec) == tuple(i + 1 for i in ids)

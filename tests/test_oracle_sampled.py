@@ -194,13 +194,14 @@ def test_sampled_cells_cover_every_speculating_family():
     fams = {c.model for c in cells}
     # every fixture of the matrix (Kimi-Linear included), and of the other
     # hybrid families those with a speculative path on some line (Mamba1:
-    # refused by the fork) that vLLM loads
+    # refused by the fork) that vLLM loads; Bailing-MoE-linear's lightning
+    # attention verifies drafts on both lines
     matrix = set(FIXTURES) - set(FAMILY_KINDS)
     assert "kimi_linear" in matrix
     speculating = set(sampled.speculating_families())
     assert speculating == {
         "falcon_h1", "zamba2", "mamba2", "lfm2", "lfm2_moe", "qwen3_5_moe",
-        "olmo_hybrid",
+        "olmo_hybrid", "bailing_moe_linear",
     }  # fmt: skip
     assert fams == matrix | {eq.FASTAPPLY} | speculating
     methods = {sampled.preset(c.sampling).method for c in cells}

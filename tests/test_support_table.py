@@ -271,3 +271,41 @@ def test_errored_cells_their_slice_no_longer_holds_are_left_out(folder: Path):
     notes = [x for x in md.splitlines() if x.startswith("- ")]
     assert any("still held" in x for x in notes)
     assert not any("retired" in x for x in notes)
+
+
+# what v0.33.0 says for method "medusa" (it has no Medusa), as a refused
+# cell's error carries it
+MEDUSA_REFUSED = (
+    "pydantic_core._pydantic_core.ValidationError: 1 validation error for "
+    "SpeculativeConfig\nmethod\n  Input should be 'ngram', 'draft_model', "
+    "'eagle', 'eagle3', 'dflash', 'ngram_gpu' or 'dspark' "
+    "[type=literal_error, input_value='medusa', input_type=str]\n"
+    "    For further information visit https://errors.pydantic.dev/2.14/v/"
+    "literal_error"
+)
+
+
+def test_medusa_and_dspark_columns(tmp_path: Path):
+    """Medusa and DSpark cells get a column each, after DFlash's; a method
+    the line lacks is refused with the field, the value and what the field
+    takes as its footnote."""
+    d = tmp_path / "v9.9.9" / "full-matrix-h100-2030-01-02"
+    d.mkdir(parents=True)
+    fork = [
+        cell("qwen3_5", "dflash", "ok", runner="mrv2"),
+        cell("qwen3_5", "medusa", "rejected", error=MEDUSA_REFUSED),
+        cell("qwen3_5", "dspark", "ok", runner="mrv2", cache_mode="align"),
+    ]
+    (d / "a-fork.json").write_text(json.dumps(fork))
+    md = st.table(d, base=d.parent)
+    head = next(x for x in md.splitlines() if x.startswith("| target"))
+    assert head == "| target | DFlash | DSpark | Medusa |"
+    t = parse(md)
+    q = "Qwen3.5 (GDN), random weights"
+    assert t[q, "DSpark"] == "V1: not run<br>MRV2: none not run; align 1 identical"
+    assert t[q, "Medusa"] == "V1: none 1 refused¹; align not run<br>MRV2: not run"
+    notes = [x for x in md.splitlines() if x.startswith("- ")]
+    assert notes == [
+        "- ¹ method 'medusa': Input should be 'ngram', 'draft_model', 'eagle', "
+        "'eagle3', 'dflash', 'ngram_gpu' or 'dspark'."
+    ]
