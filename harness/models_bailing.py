@@ -535,7 +535,7 @@ class BailingMoeLinearForCausalLM(nn.Module):
     def forward(self, input_ids):
         n = self.cfg["num_hidden_layers"]
         x = self.model.word_embeddings(input_ids)
-        positions = torch.arange(input_ids.shape[1])
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         for layer in self.model.layers[:n]:
             x = layer(x, positions)
         return SimpleNamespace(logits=self.lm_head(self.model.norm(x)))

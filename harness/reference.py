@@ -53,11 +53,15 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 def load(model_dir: str | Path, dtype: str = "float32", device: str = "cpu"):
     """The fixture in ``model_dir`` as its transformers class, in ``dtype``,
     in eval mode. Raises if a weight of the model is missing from the
-    checkpoint (transformers would initialise it at random)."""
+    checkpoint (transformers would initialise it at random). A family
+    transformers has no class for gets the forward of our own that wrote
+    its weights (``OWN_FORWARD``), loaded the same strict way."""
     import torch
     import transformers
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    if cfg["architectures"][0] in OWN_FORWARD:
+        return _load_own(cfg, model_dir, dtype, device)
     cls = getattr(transformers, cfg["architectures"][0])
     model, info = cls.from_pretrained(
         str(model_dir), dtype=getattr(torch, dtype), output_loading_info=True
@@ -65,6 +69,30 @@ def load(model_dir: str | Path, dtype: str = "float32", device: str = "cpu"):
     if info.get("missing_keys"):
         raise ValueError(f"weights missing from {model_dir}: {info['missing_keys']}")
     return model.to(device).eval()
+
+
+# architectures transformers has no class for, with a float32 PyTorch
+# forward of our own (plain torch ops, written from the published modeling
+# code and vLLM's layers): Bailing-MoE-linear (harness.models_bailing).
+# Independent of vLLM's kernels as transformers' forward is; not of a
+# misreading of the architecture shared by both.
+OWN_FORWARD = ("BailingMoeV2_5ForCausalLM",)
+
+
+def _load_own(cfg: dict, model_dir: str | Path, dtype: str, device: str):
+    import torch
+    from safetensors.torch import load_file
+
+    from .models_bailing import BailingMoeLinearForCausalLM
+
+    model = BailingMoeLinearForCausalLM(cfg)
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"{model_dir}: weights missing {missing}, not in the model {unexpected}"
+        )
+    return model.to(device=device, dtype=getattr(torch, dtype)).eval()
 
 
 @contextlib.contextmanager

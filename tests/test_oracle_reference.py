@@ -239,3 +239,30 @@ def test_main_writes_each_kind_as_it_finishes_and_skips_what_vllm_cannot_load(
     assert rows[1]["skipped"] == "vLLM cannot load it"
     assert "boom" in rows[2]["error"]
     assert seen == ["qwen3_5", "nemotron_h", "mamba2"]
+
+
+def test_a_family_without_a_transformers_class_loads_our_own_forward(tmp_path):
+    """Bailing-MoE-linear has no transformers class: the reference loads
+    the fixture into the torch forward that wrote it (every checkpoint
+    tensor, strictly), and its logits are that model's; a checkpoint with a
+    tensor missing is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from harness.models import build_model, write_model
+
+    d = write_model("bailing_moe_linear", tmp_path / "m", seed=0)
+    model = reference.load(d, "float32")
+    assert type(model).__name__ == "BailingMoeLinearForCausalLM"
+    _, fresh = build_model("bailing_moe_linear", seed=0)
+    ids = torch.tensor([[3, 17, 42, 9, 100, 7]])
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+        want = fresh.float().eval()(input_ids=ids).logits
+    assert torch.equal(got, want)
+    lps = reference.forced_logprobs(model, [([3, 17, 42], [9, 100, 7])])
+    assert len(lps[0]) == 3
+    weights = load_file(str(d / "model.safetensors"))
+    weights.pop(next(iter(sorted(weights))))
+    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="weights missing"):
+        reference.load(d, "float32")
