@@ -44,6 +44,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import remote_config
+from .remote_config import config_module
+
 CONFIG_FILE = "configuration_bailing_moe_linear.py"
 
 # the config keys vLLM's BailingMoeV2_5ForCausalLM, its lightning attention
@@ -90,26 +93,16 @@ KEYS = (
     "initializer_range",
 )
 
-CONFIG_MODULE = f'''"""Bailing-MoE-linear's configuration for a generated test fixture
+CONFIG_MODULE = config_module(
+    """Bailing-MoE-linear's configuration for a generated test fixture
 (written by harness.models_bailing). Published checkpoints ship theirs as
 remote code; transformers' class for model_type "bailing_hybrid" is another
 model's. This one stores the keys vLLM's BailingMoeV2_5ForCausalLM reads and
-passes the others to PretrainedConfig."""
-
-from transformers import PretrainedConfig
-
-KEYS = {KEYS!r}
-
-
-class BailingMoeLinearConfig(PretrainedConfig):
-    model_type = "bailing_hybrid"
-
-    def __init__(self, **kwargs):
-        for key in KEYS:
-            if key in kwargs:
-                setattr(self, key, kwargs.pop(key))
-        super().__init__(**kwargs)
-'''
+passes the others to PretrainedConfig.""",
+    "BailingMoeLinearConfig",
+    "bailing_hybrid",
+    KEYS,
+)
 
 
 def bailing_moe_linear_config(
@@ -199,7 +192,7 @@ def is_moe_layer(cfg: dict, i: int) -> bool:
 
 def write_config_module(out: str | Path) -> None:
     """``CONFIG_MODULE`` beside the fixture's config.json."""
-    (Path(out) / CONFIG_FILE).write_text(CONFIG_MODULE)
+    remote_config.write_config_module(out, CONFIG_FILE, CONFIG_MODULE)
 
 
 # -- the model -----------------------------------------------------------------

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import remote_config
+from .remote_config import config_module
+
 CONFIG_FILE = "configuration_plamo2.py"
 
 # the config keys vLLM's Plamo2ForCausalLM reads (models/plamo2.py; head_dim
@@ -43,25 +46,15 @@ KEYS = (
     "vocab_size",
 )
 
-CONFIG_MODULE = f'''"""Plamo2's configuration for a generated test fixture (written by
+CONFIG_MODULE = config_module(
+    """Plamo2's configuration for a generated test fixture (written by
 harness.models_plamo2). transformers has no Plamo2 class and published
 checkpoints ship theirs as remote code; this one stores the keys vLLM's
-Plamo2ForCausalLM reads and passes the others to PretrainedConfig."""
-
-from transformers import PretrainedConfig
-
-KEYS = {KEYS!r}
-
-
-class Plamo2Config(PretrainedConfig):
-    model_type = "plamo2"
-
-    def __init__(self, **kwargs):
-        for key in KEYS:
-            if key in kwargs:
-                setattr(self, key, kwargs.pop(key))
-        super().__init__(**kwargs)
-'''
+Plamo2ForCausalLM reads and passes the others to PretrainedConfig.""",
+    "Plamo2Config",
+    "plamo2",
+    KEYS,
+)
 
 
 def plamo2_config(vocab: int, special_ids: dict) -> dict:
@@ -188,4 +181,4 @@ def weights(cfg: dict, seed: int, lm_head_std: float, embed_std: float) -> dict:
 
 def write_config_module(out: str | Path) -> None:
     """``CONFIG_MODULE`` beside the fixture's config.json."""
-    (Path(out) / CONFIG_FILE).write_text(CONFIG_MODULE)
+    remote_config.write_config_module(out, CONFIG_FILE, CONFIG_MODULE)
