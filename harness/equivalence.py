@@ -938,6 +938,10 @@ def run_cells(
             two_waves = cell.cache_mode == "align"
             n_waves = cell.turns if two_waves else 1
             par = reference_parallel(cell)
+            if int(cell.extra.get("tensor_parallel_size") or 1) > 1:
+                # what the support table tells apart: TP cells judged
+                # against the same TP, or (drafter "none") against TP=1
+                row["reference_tp"] = int(par.get("tensor_parallel_size", 1))
             rkey = (cell.model, cell.dtype, n, cell.max_tokens, two_waves,
                     cell.kv_cache_dtype, cell.prompts, reference_request(cell),
                     n_waves, tuple(sorted(par.items())))  # fmt: skip

@@ -210,14 +210,15 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * xf).to(x.dtype)
 
 
-def _inv_freq(dim: int, theta: float):
-    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+def _inv_freq(dim: int, theta: float, device=None):
+    ar = torch.arange(0, dim, 2, dtype=torch.float32, device=device)
+    return 1.0 / theta ** (ar / dim)
 
 
 def _rope_neox(x, positions, rot: int, theta: float):
     """RoPE on the first ``rot`` channels of ``x`` (..., T, heads, d),
     halves rotated (vLLM's ``is_neox_style=True``)."""
-    freqs = positions.float()[:, None] * _inv_freq(rot, theta)  # (T, rot/2)
+    freqs = positions.float()[:, None] * _inv_freq(rot, theta, positions.device)
     cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
     xr, xp = x[..., :rot].float(), x[..., rot:]
     x1, x2 = xr.chunk(2, dim=-1)
@@ -229,7 +230,7 @@ def _rope_interleaved(x, positions, theta: float):
     """RoPE on all channels of ``x`` (..., T, heads, d), pairs (2i, 2i+1)
     rotated (vLLM's ``is_neox_style=False``, the MLA layers')."""
     d = x.shape[-1]
-    freqs = positions.float()[:, None] * _inv_freq(d, theta)
+    freqs = positions.float()[:, None] * _inv_freq(d, theta, positions.device)
     cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
     xf = x.float()
     x1, x2 = xf[..., 0::2], xf[..., 1::2]
@@ -373,7 +374,7 @@ class LightningAttention(nn.Module):
         k = _rope_neox(k, positions, rot, cfg["rope_theta"])
         q = q * d**-0.5
         # decay[h, i, j] = exp(-s_h (i - j)) for j <= i, else 0
-        ar = torch.arange(t)
+        ar = torch.arange(t, device=x.device)
         dist = (ar[:, None] - ar[None, :]).float()
         decay = torch.exp(-self.slope.float()[:, None, None] * dist.clamp(min=0))
         decay = decay * (dist >= 0)

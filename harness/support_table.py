@@ -103,6 +103,22 @@ def drafter_kind(drafter: str) -> str:
     return "scripted" if drafter.startswith("scripted:") else drafter
 
 
+def tp_of(cell: dict) -> int:
+    """A cell's tensor_parallel_size (1 where its engine takes none)."""
+    return int((cell.get("engine") or {}).get("tensor_parallel_size") or 1)
+
+
+# the footnote of a TP > 1 cell that diverged against the eager TP=1
+# reference: cells of the tp2 slices run before their speculative cells got
+# the same-TP reference, and the drafter "none" controls, which keep TP=1
+# (harness.equivalence.reference_parallel)
+TP1_REFERENCE = (
+    "judged against the eager non-speculative target at TP=1; a compiled "
+    "target at TP > 1 can differ from it without speculation (the drafter "
+    '"none" cells), so this is not yet a verdict on speculation'
+)
+
+
 def reason(cell: dict) -> str:
     """A one-sentence reason from a refused or failed cell's error text:
     pydantic's ``Value error, ...`` message, else the last ``XError: ...``
@@ -251,16 +267,28 @@ def table(
     if not fork:
         raise SystemExit(f"{report_dir}: no fork cells")
     models = _ordered({c["model"] for c in fork}, FAMILIES)
-    drafters = _ordered({drafter_kind(c["drafter"]) for c in fork}, DRAFTERS)
+    # tensor-parallel cells go in a column of their own, one per TP size
+    drafters = _ordered(
+        {drafter_kind(c["drafter"]) for c in fork if tp_of(c) == 1}, DRAFTERS
+    )
+    tps = sorted({tp_of(c) for c in fork} - {1})
     runners = _ordered({c["runner"] for c in fork}, RUNNERS)
     modes = _ordered({c["cache_mode"] for c in fork}, CACHE_MODES)
 
     notes: dict[str, int] = {}  # reason -> footnote number, in order of use
 
     def mark(c: dict) -> str:
-        if c["status"] not in ("error", "rejected"):
+        if (
+            c["status"] == "diverged"
+            and tp_of(c) > 1
+            and (c.get("reference_tp") or 1) != tp_of(c)
+        ):
+            why = TP1_REFERENCE
+        elif c["status"] in ("error", "rejected"):
+            why = reason(c)
+        else:
             return ""
-        return str(notes.setdefault(reason(c), len(notes) + 1)).translate(SUPER)
+        return str(notes.setdefault(why, len(notes) + 1)).translate(SUPER)
 
     def counts(cells: list[dict]) -> str:
         n = Counter((c["status"], mark(c)) for c in cells)
@@ -300,8 +328,20 @@ def table(
                 else "KV cache " + "/".join(sorted(kv))
             )
         cols = [
-            entry([c for c in mc if drafter_kind(c["drafter"]) == d]) for d in drafters
+            entry([c for c in mc if tp_of(c) == 1 and drafter_kind(c["drafter"]) == d])
+            for d in drafters
         ]
+        for tp in tps:
+            tc = [c for c in mc if tp_of(c) == tp]
+            kinds = _ordered({drafter_kind(c["drafter"]) for c in tc}, DRAFTERS)
+            cols.append(
+                "<br>".join(
+                    f"*{DRAFTERS.get(d, d)}*: "
+                    + entry([c for c in tc if drafter_kind(c["drafter"]) == d])
+                    for d in kinds
+                )
+                or "not run"
+            )
         rows.append(f"| {label} | " + " | ".join(cols) + " |")
 
     def totals(cells: list[dict]) -> str:
@@ -338,14 +378,18 @@ def table(
         + ", ".join(RUNNER_TEXT.get(r, r) for r in runners)
         + ") and mamba cache mode ("
         + " / ".join(modes)
-        + "); refused = rejected at config time; not run = no such cell in the "
+        + ")"
+        + ("; tensor-parallel cells in the TP column, by drafter" if tps else "")
+        + "; refused = rejected at config time; not run = no such cell in the "
         "matrix" + _unstarted(got, report_dir, also) + "."
         + (f" Left out: {retired} errored cells of slices redefined "
            "since they ran (the slice no longer holds them)."
            if retired else "")
     )  # fmt: skip
-    head = "| target | " + " | ".join(DRAFTERS.get(d, d) for d in drafters) + " |"
-    out = [caption, "", head, "|" + "---|" * (len(drafters) + 1), *rows, ""]
+    heads = [DRAFTERS.get(d, d) for d in drafters]
+    heads += [f"TP={tp} (tensor parallel), any drafter" for tp in tps]
+    head = "| target | " + " | ".join(heads) + " |"
+    out = [caption, "", head, "|" + "---|" * (len(heads) + 1), *rows, ""]
     if upstream:
         ups = _ordered({c["model"] for c in upstream}, FAMILIES)
         errors = [
@@ -364,7 +408,8 @@ def table(
         out.append("")
     if notes:
         out.append(
-            "Reasons of the errors and refusals, cut from the cells' error text:"
+            "Reasons of the errors and refusals, cut from the cells' error text"
+            + (", and of the TP cells' verdicts:" if TP1_REFERENCE in notes else ":")
         )
         out.append("")
         out += [f"- {str(i).translate(SUPER)} {r}." for r, i in notes.items()]

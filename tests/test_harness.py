@@ -1073,6 +1073,9 @@ def test_speculative_tp2_cells_take_a_reference_at_their_own_tp_and_compilation(
     ]  # fmt: skip
     rows = eq.run_cells(cells, tmp_path, n_prompts=2, seed=0)
     assert [r["status"] for r in rows] == ["ok"] * 3
+    # each TP cell says which TP its reference ran at (the support table
+    # footnotes a divergence against TP=1); a TP=1 cell says nothing
+    assert [r.get("reference_tp") for r in rows] == [2, 1, None]
     # the speculative TP=2 cell's; the base's control's and the TP=1 cell's
     assert set(seen) == {("default", fp, 2), ("v1", "eager", None)}
     assert eq.reference_parallel(cells[1]) == {}

@@ -241,6 +241,21 @@ def test_main_writes_each_kind_as_it_finishes_and_skips_what_vllm_cannot_load(
     assert seen == ["qwen3_5", "nemotron_h", "mamba2"]
 
 
+def test_our_own_forward_keeps_its_tensors_on_the_model_device():
+    """The reference runs our Bailing forward on the GPU: every tensor it
+    makes (RoPE frequencies, the decay's positions) must be on the model's
+    device. The meta device stands in for the GPU here (a CPU tensor beside
+    a meta one raises as beside a CUDA one)."""
+    from harness.models import build_model
+
+    _, model = build_model("bailing_moe_linear", seed=0)
+    model = model.float().eval().to("meta")
+    ids = torch.tensor([[3, 17, 42, 9, 100, 7]], device="meta")
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert logits.device.type == "meta" and logits.shape[:2] == (1, 6)
+
+
 def test_a_family_without_a_transformers_class_loads_our_own_forward(tmp_path):
     """Bailing-MoE-linear has no transformers class: the reference loads
     the fixture into the torch forward that wrote it (every checkpoint

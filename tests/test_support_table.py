@@ -119,6 +119,36 @@ def test_synthetic_folder(folder: Path):
     ) in md
 
 
+def test_tensor_parallel_cells_get_a_column_of_their_own(tmp_path: Path):
+    """Cells at tensor_parallel_size > 1 leave the drafter columns for a TP
+    column; one that diverged against the eager TP=1 reference (no
+    ``reference_tp`` of its own TP) gets a footnote saying so, one judged
+    against its own TP does not."""
+    d = tmp_path / "v9.9.9" / "full-matrix-h100-2030-01-02"
+    d.mkdir(parents=True)
+    tp = {"engine": {"tensor_parallel_size": 2}}
+    fork = [
+        cell("nemotron_h", "ngram", "ok"),
+        cell("nemotron_h", "ngram", "diverged", graphs="piecewise", **tp),
+        cell("nemotron_h", "mtp", "diverged", runner="default", reference_tp=2, **tp),
+        cell("nemotron_h", "none", "diverged", runner="default", reference_tp=1, **tp),
+    ]
+    (d / "tp2-fork.json").write_text(json.dumps(fork))
+    md = st.table(d, base=d.parent)
+    t = parse(md)
+    n = "NemotronH (Mamba2)"
+    assert set(h for _, h in t) == {"n-gram", "TP=2 (tensor parallel), any drafter"}
+    assert t[n, "n-gram"] == "V1: none 1 identical<br>default: not run"
+    assert t[n, "TP=2 (tensor parallel), any drafter"] == (
+        "*n-gram*: V1: none 1 **diverged**¹<br>default: not run"
+        "<br>*MTP*: V1: not run<br>default: none 1 **diverged**"
+        "<br>*none*: V1: not run<br>default: none 1 **diverged**¹"
+    )
+    notes = [x for x in md.splitlines() if x.startswith("- ")]
+    assert notes == [f"- ¹ {st.TP1_REFERENCE}."]
+    assert "tensor-parallel cells in the TP column, by drafter" in md
+
+
 def test_reason_shortening():
     assert st.reason({"error": REFUSED}) == (
         "Currently, async scheduling is only supported with EAGLE/MTP kind of "
