@@ -11,8 +11,11 @@ column per drafter kind (the cells' ``drafter``), and in each entry the fork's
 cells per runner and cache mode: how many were identical (``ok``), diverged,
 errored or refused at config time (``rejected``), or ``not run`` where the
 matrix has no such cell. Errors and refusals carry a footnote, the reason cut
-from the cell's error text, one footnote per distinct reason. Upstream's
-totals go in one line below the table.
+from the cell's error text, one footnote per distinct reason. Cells at
+``tensor_parallel_size`` > 1 go in a column of their own per TP size, by
+drafter; one that diverged against a reference at another TP (the eager
+TP=1 one) carries a footnote saying so. Upstream's totals go in one line
+below the table.
 
 More folders after the first (``DIR MORE...``: slices run after the whole
 matrix, such as the families, tensor-parallel or sampled slices) add their
