@@ -120,17 +120,15 @@ def _block_ids(req: int) -> list[int]:
     return [WIDTH * req + j + 1 for j in range(WIDTH)]
 
 
-def _metadata(order: list[int]):
-    rows = [STEP1[i] for i in order]
+def _common(step, order: list[int]) -> CommonAttentionMetadata:
+    """The step's common metadata, rows in ``order``; ``step``: per prompt
+    (num_computed, num_scheduled, drafts)."""
+    rows = [step[i] for i in order]
     qlens = torch.tensor([r[1] for r in rows], dtype=torch.int32)
     qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(qlens, 0)
     seq_lens = torch.tensor([r[0] + r[1] for r in rows], dtype=torch.int32)
-    table = torch.tensor([_block_ids(i) for i in order], dtype=torch.int32)
-    is_prefilling = torch.tensor(
-        [STEP1[i][0] < PROMPTS[i] for i in order], dtype=torch.bool
-    )
-    common = CommonAttentionMetadata(
+    return CommonAttentionMetadata(
         query_start_loc=qsl,
         query_start_loc_cpu=qsl,
         seq_lens=seq_lens,
@@ -138,10 +136,17 @@ def _metadata(order: list[int]):
         num_actual_tokens=int(qlens.sum()),
         max_query_len=int(qlens.max()),
         max_seq_len=int(seq_lens.max()),
-        block_table_tensor=table,
+        block_table_tensor=torch.tensor(
+            [_block_ids(i) for i in order], dtype=torch.int32
+        ),
         slot_mapping=torch.zeros(int(qlens.sum()), dtype=torch.int64),
-        is_prefilling=is_prefilling,
+        is_prefilling=torch.tensor([step[i][0] < PROMPTS[i] for i in order]),
     )
+
+
+def _metadata(order: list[int]):
+    rows = [STEP1[i] for i in order]
+    common = _common(STEP1, order)
     # accepted counts after preprocess_mamba (prompt 4 crossed into block 1:
     # its state was copied there and its count reset to 1); the runner's
     # num_decode_draft_tokens: k for the verify row, -1 for prompt chunks
@@ -267,24 +272,7 @@ def test_cell_b_mtp_k3_first_wave_step1_order():
     reorder_batch_to_split_decodes_and_prefills(batch, sched, decode_threshold=1)
     order = [int(r[1:]) for r in batch.req_ids]
     rows = [step1[i] for i in order]
-    qlens = torch.tensor([r[1] for r in rows], dtype=torch.int32)
-    qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(qlens, 0)
-    seq_lens = torch.tensor([r[0] + r[1] for r in rows], dtype=torch.int32)
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl,
-        query_start_loc_cpu=qsl,
-        seq_lens=seq_lens,
-        num_reqs=len(rows),
-        num_actual_tokens=int(qlens.sum()),
-        max_query_len=int(qlens.max()),
-        max_seq_len=int(seq_lens.max()),
-        block_table_tensor=torch.tensor(
-            [_block_ids(i) for i in order], dtype=torch.int32
-        ),
-        slot_mapping=torch.zeros(int(qlens.sum()), dtype=torch.int64),
-        is_prefilling=torch.tensor([step1[i][0] < PROMPTS[i] for i in order]),
-    )
+    common = _common(step1, order)
     b = _builder()
     b.num_spec_tokens = k
     b.kv_cache_spec = MambaSpec(
