@@ -96,23 +96,23 @@ def _v1_order() -> list[int]:
     return [int(r[1:]) for r in batch.req_ids]
 
 
-def _builder() -> BailingLinearAttentionMetadataBuilder:
+def _builder(k: int = K) -> BailingLinearAttentionMetadataBuilder:
     b = object.__new__(BailingLinearAttentionMetadataBuilder)
     b.kv_cache_spec = MambaSpec(
         block_size=BS,
         shapes=((HEADS, D, D),),
         dtypes=(torch.float32,),
         mamba_cache_mode="align",
-        num_speculative_blocks=K,
+        num_speculative_blocks=k,
     )
     b.vllm_config = SimpleNamespace(
         cache_config=SimpleNamespace(mamba_cache_mode="align")
     )
     b.compilation_config = SimpleNamespace(cudagraph_mode=CUDAGraphMode.NONE)
-    b.num_spec_tokens = K
+    b.num_spec_tokens = k
     b.use_spec_decode = True
     b.decode_cudagraph_max_bs = 8
-    b.reorder_batch_threshold = 1 + K
+    b.reorder_batch_threshold = 1 + k
     return b
 
 
@@ -273,16 +273,7 @@ def test_cell_b_mtp_k3_first_wave_step1_order():
     order = [int(r[1:]) for r in batch.req_ids]
     rows = [step1[i] for i in order]
     common = _common(step1, order)
-    b = _builder()
-    b.num_spec_tokens = k
-    b.kv_cache_spec = MambaSpec(
-        block_size=BS,
-        shapes=((HEADS, D, D),),
-        dtypes=(torch.float32,),
-        mamba_cache_mode="align",
-        num_speculative_blocks=k,
-    )
-    b.reorder_batch_threshold = 1 + k
+    b = _builder(k)
     md = b.build(
         0,
         common,
