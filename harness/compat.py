@@ -98,6 +98,13 @@ def passes_mamba_cache_mode() -> bool:
     return not at_least(0, 33)
 
 
+def align_budget_covers_block() -> bool:
+    """v0.26.0 refuses align mode when a block holds more tokens than
+    ``max_num_batched_tokens`` (an assertion in ``VllmConfig``); v0.33.0
+    dropped that check (a 208-token block under a 160-token budget runs)."""
+    return not at_least(0, 33)
+
+
 def default_runner() -> str:
     """The model runner vLLM picks with ``VLLM_USE_V2_MODEL_RUNNER`` unset:
     V1 for hybrid models on v0.26.0 (``_is_default_v2_model_runner_model``),

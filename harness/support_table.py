@@ -35,6 +35,7 @@ generator's output for the folders the marker names.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -259,11 +260,32 @@ def table(
 ) -> str:
     """The support table of the reports in ``report_dir`` and the folders of
     ``also`` (markdown, ending in a newline); links are relative to ``base``
-    (default: the repo)."""
+    (default: the repo). The slices are read as the harness builds them for
+    ``line`` (``harness.compat``), whatever vLLM this process has."""
     report_dir = Path(report_dir)
+    line = line or _line_of(report_dir)
+    with _as_line(line):
+        return _table(report_dir, line, base, also)
+
+
+@contextlib.contextmanager
+def _as_line(line: str):
+    from . import compat
+
+    old = os.environ.get(compat.VERSION_ENV)
+    os.environ[compat.VERSION_ENV] = line
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[compat.VERSION_ENV]
+        else:
+            os.environ[compat.VERSION_ENV] = old
+
+
+def _table(report_dir: Path, line: str, base: Path | None, also: Sequence[Path]) -> str:
     also = [Path(d) for d in also]
     base = REPO if base is None else Path(base)
-    line = line or _line_of(report_dir)
     got, retired = gather(report_dir, also)
     fork = [c for c, _ in got["fork"].values()]
     upstream = [c for c, _ in got["upstream"].values()]

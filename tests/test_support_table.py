@@ -7,6 +7,7 @@ README and evidence cannot drift. No vLLM import."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -301,6 +302,26 @@ def test_errored_cells_their_slice_no_longer_holds_are_left_out(folder: Path):
     notes = [x for x in md.splitlines() if x.startswith("- ")]
     assert any("still held" in x for x in notes)
     assert not any("retired" in x for x in notes)
+
+
+def test_slices_are_read_as_the_tables_line_builds_them(folder: Path, monkeypatch):
+    """A slice can differ by line (the flashinfer slice's chunked align
+    cells take a larger token budget on v0.26.0): an errored cell keyed as
+    the other line builds it is left out of this line's table, whatever
+    vLLM the generating process has."""
+    from harness.equivalence import slice_cells
+
+    monkeypatch.setenv("HSFORK_VLLM_VERSION", "0.33.0")
+    old = next(c for c in slice_cells("flashinfer") if c.chunked and c.k == 64)
+    later = folder.parent / "flashinfer-h200-2030-01-07"
+    later.mkdir()
+    row = {**old.key(), "status": "error", "error": "AssertionError: budget",
+           "tokens": 0, "divergences": 0, "ties": 0}  # fmt: skip
+    (later / "flashinfer-fork-1-of-2.json").write_text(json.dumps([row]))
+    left_out = "Left out: 1 errored cells of slices redefined since they ran"
+    assert left_out in st.table(folder, "v0.26.0", folder.parent, [later])
+    assert left_out not in st.table(folder, "v0.33.0", folder.parent, [later])
+    assert os.environ["HSFORK_VLLM_VERSION"] == "0.33.0"  # restored
 
 
 # what v0.33.0 says for method "medusa" (it has no Medusa), as a refused
