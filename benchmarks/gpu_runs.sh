@@ -16,7 +16,10 @@
 #       (benchmarks.side_by_side): $OUT/mtp-mrv2
 #   bash benchmarks/gpu_runs.sh align-mtp [DEADLINE_S_PER_RUNNER]
 #       MTP k=3 with prefix caching in align mode, fork vs upstream side by
-#       side on V1 and on Model Runner V2: $OUT/align-mtp-{v1,mrv2}
+#       side on V1 and on Model Runner V2 (ALIGN_RUNNERS, default both; one
+#       per GPU runs them at once), ALIGN_REPEATS (2) ABBA pairs per runner:
+#       one pair per side leaves a shift of a whole run in the ratio:
+#       $OUT/align-mtp-{v1,mrv2}
 #   bash benchmarks/gpu_runs.sh traces
 #       record per-request draft/accept traces (harness.traces) of the real
 #       drafters on the trained fast-apply fixture and on random prompts,
@@ -79,10 +82,10 @@ mtp-mrv2)
 align-mtp)
   # MTP k=3 with prefix caching in align mode (the fork copies recurrent
   # state at block boundaries there), fork vs upstream, V1 then MRV2
-  for r in v1 mrv2; do
+  for r in ${ALIGN_RUNNERS:-v1 mrv2}; do
     in_variant fork python3 -m benchmarks.side_by_side \
       --modes mtp --out "$OUT/align-mtp-$r" --run "align-mtp-$r" \
-      --deadline "${2:-270}" \
+      --deadline "${2:-270}" --repeats "${ALIGN_REPEATS:-2}" \
       -- --runner "$r" --cache-mode align --label "mtp_align_$r" --mtp-k 3 --tokens 96
   done
   ;;

@@ -12,6 +12,13 @@ A ratio is fork / upstream of the median per-step latency of full-batch
 decode steps, each side averaged over its repeats; both sides come from the
 same side-by-side run. Nothing here is a constant: every number is read from
 the JSONs.
+
+Its 95 % confidence interval (``ratio_ci``) is scipy's bootstrap of the
+ratio of medians over the steps behind them (each side's steps of all its
+repeats, resampled independently). It covers the step-to-step noise within
+the run only: a shift of a whole run (another process on the host, a
+warmer GPU) is not in it, which only repeats (``side_by_side --repeats``,
+ABBA) or a second run show.
 """
 
 from __future__ import annotations
@@ -76,6 +83,42 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+def step_samples(result: dict) -> list[float]:
+    """The per-step latencies (ms) a result's median is taken over: its
+    full-batch decode steps, else all its decode steps
+    (``decode_latency.summarize``), from its compact ``steps`` rows
+    ``[ms, rows, prefill_rows, ...]``."""
+    steps = result.get("steps") or []
+    decode = [s for s in steps if s[2] == 0]
+    full = [s for s in decode if s[1] == int(result["bs"])]
+    return [float(s[0]) for s in (full or decode)]
+
+
+def ratio_ci(
+    fork: list[float], upstream: list[float], confidence: float = 0.95
+) -> tuple[float, float] | None:
+    """Bootstrap interval of median(fork) / median(upstream); None with
+    fewer than 10 steps on a side."""
+    if min(len(fork), len(upstream)) < 10:
+        return None
+    import numpy as np
+    from scipy.stats import bootstrap
+
+    def stat(a, b, axis=-1):
+        return np.median(a, axis=axis) / np.median(b, axis=axis)
+
+    res = bootstrap(
+        (np.asarray(fork), np.asarray(upstream)),
+        stat,
+        confidence_level=confidence,
+        n_resamples=4000,
+        method="percentile",
+        rng=np.random.default_rng(0),
+    )
+    ci = res.confidence_interval
+    return float(ci.low), float(ci.high)
+
+
 def ratio_rows(docs: Iterable[dict], threshold: float = THRESHOLD) -> list[dict]:
     """One row per (mode, BS) with both variants' numbers and the ratio."""
     cells: dict[tuple[str, int, str], list[dict]] = {}
@@ -105,6 +148,10 @@ def ratio_rows(docs: Iterable[dict], threshold: float = THRESHOLD) -> list[dict]
             }
         f, u = row["fork"], row["upstream"]
         row["ratio"] = _ratio(f["median_ms"], u["median_ms"])
+        row["ratio_ci95"] = ratio_ci(
+            [x for r in cells.get((mode, bs, "fork"), []) for x in step_samples(r)],
+            [x for r in cells.get((mode, bs, "upstream"), []) for x in step_samples(r)],
+        )
         row["ratio_mean"] = _ratio(f["mean_ms"], u["mean_ms"])
         row["tokens_per_s_ratio"] = _ratio(f["tokens_per_s"], u["tokens_per_s"])
         if mode in GATED:
@@ -125,6 +172,10 @@ def ratio_rows(docs: Iterable[dict], threshold: float = THRESHOLD) -> list[dict]
 
 def _f(x, fmt: str = "{:.3f}") -> str:
     return "–" if x is None else fmt.format(x)
+
+
+def _ci(ci) -> str:
+    return "–" if not ci else f"{ci[0]:.3f} – {ci[1]:.3f}"
 
 
 def _acc(row: dict) -> str:
@@ -184,18 +235,21 @@ def markdown(docs: list[dict], rows: list[dict], run: str, threshold: float) -> 
         "ms/step: median wall time of the full-batch decode steps "
         "(`EngineCore.step` + `post_step`, prefill and mixed steps excluded); "
         "each variant averaged over its repeats. ratio = fork / upstream. "
-        f"Bound for {', '.join(GATED)}: ratio <= {threshold}.",
+        f"Bound for {', '.join(GATED)}: ratio <= {threshold}. 95 % CI: "
+        "bootstrap of the ratio of medians over the steps (step-to-step "
+        "noise within this run; a shift of a whole run is not in it).",
         "",
-        "| mode | BS | fork ms/step | upstream ms/step | ratio | ratio (mean) "
-        "| fork tok/s | upstream tok/s | tok/s ratio | acceptance fork / upstream "
-        "| drafts fork / upstream | verdict |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
+        "| mode | BS | fork ms/step | upstream ms/step | ratio | ratio 95 % CI "
+        "| ratio (mean) | fork tok/s | upstream tok/s | tok/s ratio "
+        "| acceptance fork / upstream | drafts fork / upstream | verdict |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---|---|",
     ]
     for r in rows:
         f, u = r["fork"], r["upstream"]
         lines.append(
             f"| {r['mode']} | {r['bs']} | {_f(f['median_ms'])} | {_f(u['median_ms'])} "
-            f"| {_f(r['ratio'], '{:.4f}')} | {_f(r['ratio_mean'], '{:.4f}')} "
+            f"| {_f(r['ratio'], '{:.4f}')} | {_ci(r.get('ratio_ci95'))} "
+            f"| {_f(r['ratio_mean'], '{:.4f}')} "
             f"| {_f(f['tokens_per_s'], '{:.0f}')} | {_f(u['tokens_per_s'], '{:.0f}')} "
             f"| {_f(r['tokens_per_s_ratio'], '{:.4f}')} | {_acc(r)} "
             f"| {f['drafts_scheduled']} / {u['drafts_scheduled']} | {r['verdict']} |"
@@ -298,6 +352,20 @@ def plot_png(rows: list[dict], path: Path, threshold: float = THRESHOLD) -> Path
         pts = [(r["bs"], r["ratio"]) for r in rs if r["ratio"] is not None]
         if pts:
             bottom.plot(*zip(*pts, strict=True), "o-", color="black")
+        bars = [r for r in rs if r["ratio"] is not None and r.get("ratio_ci95")]
+        if bars:
+            bottom.errorbar(
+                [r["bs"] for r in bars],
+                [r["ratio"] for r in bars],
+                yerr=[
+                    [r["ratio"] - r["ratio_ci95"][0] for r in bars],
+                    [r["ratio_ci95"][1] - r["ratio"] for r in bars],
+                ],
+                fmt="none",
+                ecolor="black",
+                capsize=3,
+                label="95 % CI (steps)",
+            )
         if mode in GATED:
             bottom.axhline(threshold, color="red", ls=":", label=f"{threshold}")
             bottom.legend()
@@ -309,7 +377,10 @@ def plot_png(rows: list[dict], path: Path, threshold: float = THRESHOLD) -> Path
         for ax in (top, bottom):
             ax.set_xticks([r["bs"] for r in rs] or [1])
             ax.set_xticklabels([str(r["bs"]) for r in rs] or ["1"])
-    fig.suptitle("Qwen3.5-9B shape, per-step decode latency: fork vs upstream v0.26.0")
+    fig.suptitle(
+        "Qwen3.5-9B shape, per-step decode latency:\nfork vs upstream v0.26.0",
+        fontsize="medium",
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

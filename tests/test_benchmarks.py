@@ -508,6 +508,37 @@ def test_ratio_rows_average_repeats_and_flag_incomplete():
     assert rows[1]["verdict"] == "incomplete" and rows[1]["ratio"] is None
 
 
+def test_ratio_ci_is_over_the_steps_behind_the_medians():
+    """The 95 % interval of the ratio resamples the full-batch decode steps
+    (prefill and partial-batch steps are not samples): a fork 10 % slower
+    has an interval above 1 holding 1.1, equal sides one holding 1."""
+    import random
+
+    rng = random.Random(0)
+
+    def res(bs, center, n=200):
+        steps = [[center + rng.gauss(0, 0.3), bs, 0, 0, 0, bs] for _ in range(n)]
+        steps.append([99.0, bs, 3, 0, 0, 0])  # a step with prefill rows
+        steps.append([50.0, bs - 1, 0, 0, 0, bs - 1])  # a partial batch
+        return {"bs": bs, "median_ms": center, "mean_ms": center, "steps": steps}
+
+    samples = plot.step_samples(res(8, 10.0))
+    assert len(samples) == 200 and max(samples) < 20
+    lo, hi = plot.ratio_ci(plot.step_samples(res(8, 11.0)),
+                           plot.step_samples(res(8, 10.0)))  # fmt: skip
+    assert 1.0 < lo < 1.1 < hi
+    lo, hi = plot.ratio_ci(samples, plot.step_samples(res(8, 10.0)))
+    assert lo < 1.0 < hi
+    rows = plot.ratio_rows([_doc("none", "fork", [res(8, 11.0)]),
+                            _doc("none", "upstream", [res(8, 10.0)])])  # fmt: skip
+    assert rows[0]["ratio_ci95"][0] > 1.0
+    line = next(x for x in plot.markdown([], rows, "r", 1.01).splitlines()
+                if x.startswith("| none | 8 |"))  # fmt: skip
+    lo, hi = rows[0]["ratio_ci95"]
+    assert line.split("|")[6].strip() == f"{lo:.3f} – {hi:.3f}"
+    assert plot.ratio_ci([1.0] * 5, [1.0] * 5) is None
+
+
 def test_write_report_from_json_files(tmp_path):
     src = tmp_path / "in"
     src.mkdir()
