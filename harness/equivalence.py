@@ -600,11 +600,15 @@ def teacher_forced(
     seqs,
     kv_cache_dtype: str = "auto",
     chunked: bool = False,
+    par: dict | None = None,
 ):
     """Reference top-2 at every continuation position of each
     ``(prompt, continuation)``: one non-speculative prefill with
     ``prompt_logprobs=2``; ``chunked``: prefilled in chunks of
-    ``PLP_CHUNK`` tokens (``plp_chunk_cell``), the context floor's pass."""
+    ``PLP_CHUNK`` tokens (``plp_chunk_cell``), the context floor's pass.
+    ``par``: the cells' ``reference_parallel`` (tensor parallelism, runner,
+    compilation), which the prefill takes too: a TP=2 cell's reference runs
+    and candidates are judged against a TP=2 prefill, not a TP=1 one."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -612,8 +616,10 @@ def teacher_forced(
     extra = {}
     if longest + 1 > 2048:  # engine_kwargs' default
         extra["max_model_len"] = -(-(longest + 1) // 16) * 16
+    par = dict(par or {})
     cell = Cell(model, "none", 0, len(seqs), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                extra=extra)  # fmt: skip
+                runner=par.pop("runner", "v1"), graphs=par.pop("graphs", "eager"),
+                extra={**extra, **par})  # fmt: skip
     if chunked:
         cell = plp_chunk_cell(cell)
     llm = _engine(cell, model_dir)
@@ -640,7 +646,7 @@ def teacher_forced(
     return result
 
 
-def context_pass(model, dtype, model_dir, kv, items, seqs, owners, want=None):
+def context_pass(model, dtype, model_dir, kv, items, seqs, owners, want=None, par=None):
     """The context floor's second teacher-forced pass (``harness.oracle``):
     the sequences of the cells ``want`` (indices into ``items``; default
     the sampled, unconstrained cells) prefilled in chunks. Returns ({(cell
@@ -662,7 +668,7 @@ def context_pass(model, dtype, model_dir, kv, items, seqs, owners, want=None):
         if kind == "cell" and key in want
     ]
     try:
-        out = teacher_forced(model, dtype, model_dir, picked, kv, chunked=True)
+        out = teacher_forced(model, dtype, model_dir, picked, kv, chunked=True, par=par)
     except Exception as e:  # noqa: BLE001
         return {}, "".join(traceback.format_exception_only(type(e), e)).strip()
     return dict(zip(keys, out, strict=True)), None
@@ -1016,8 +1022,10 @@ def run_cells(
                     for _, _, _, nd in json.loads(line):
                         counts[nd] = counts.get(nd, 0) + 1
                 row["drafts_per_step"] = {str(k): v for k, v in sorted(counts.items())}
+            # grouped by reference_parallel too (rkey[9]): each group's
+            # teacher-forced pass runs at its cells' TP, runner, compilation
             pending.setdefault(
-                (cell.model, cell.dtype, cell.kv_cache_dtype), []
+                (cell.model, cell.dtype, cell.kv_cache_dtype, rkey[9]), []
             ).append((row, prompts, cands, rkey))
             row["status"] = "pending"
         except Exception as e:  # noqa: BLE001
@@ -1026,10 +1034,10 @@ def run_cells(
 
     # verification: the reference teacher-forced on every candidate, and on
     # its own tokens to measure the kernel-path noise
-    for (model, dtype, kv), items in pending.items():
+    for (model, dtype, kv, par), items in pending.items():
         seqs, owners = [], []
         for rkey, (_ref_pos, ref_tokens, waves) in refs.items():
-            if rkey[:2] != (model, dtype) or rkey[5] != kv:
+            if rkey[:2] != (model, dtype) or rkey[5] != kv or rkey[9] != par:
                 continue
             prompts = flat_prompts(waves, rkey[7])
             seqs += list(zip(prompts, ref_tokens, strict=True))
@@ -1055,13 +1063,13 @@ def run_cells(
         try:
             # an fp8 cell's reference and candidates ran on the FP8 copy
             model_dir = models[f"{model}:{FP8}"] if dtype == FP8 else models[model]
-            forced = teacher_forced(model, dtype, model_dir, seqs, kv)
+            forced = teacher_forced(model, dtype, model_dir, seqs, kv, par=dict(par))
         except Exception as e:  # noqa: BLE001
             for row, *_ in items:
                 _error_row(row, e)
             continue
         ctx_forced, ctx_error = context_pass(model, dtype, model_dir, kv, items,
-                                             seqs, owners)  # fmt: skip
+                                             seqs, owners, par=dict(par))  # fmt: skip
         worst = worst_constrained = 0.0
         for (kind, key, i), pos in zip(owners, forced, strict=True):
             if kind == "ref":
@@ -1123,8 +1131,9 @@ def run_cells(
         lazy_error = None
         if lazy:
             ctx_more, lazy_error = context_pass(
-                model, dtype, model_dir, kv, items, seqs, owners, want=lazy
-            )
+                model, dtype, model_dir, kv, items, seqs, owners, want=lazy,
+                par=dict(par),
+            )  # fmt: skip
             at = {o: n for n, o in enumerate(owners)}
             for (key, i), ctx_pos in ctx_more.items():
                 n = at["cell", key, i]

@@ -131,7 +131,7 @@ def fake_output(tokens: list[int], logprobs, second: float = -3.0):
     return SimpleNamespace(outputs=[completion], prompt_logprobs=None)
 
 
-def greedy_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto"):
+def greedy_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto", **_):
     """A stand-in for ``harness.equivalence.teacher_forced`` under which
     every token of every sequence is the reference's decisive top choice."""
     from harness.compare import Position

@@ -157,7 +157,7 @@ def test_run_cells_runs_and_verifies_fp8_cells_on_the_fp8_copy(tmp_path, monkeyp
         assert kw["dtype"] == "bfloat16"
         return [fake_output([1, 2, 3], logprobs) for w in waves for _ in w], {}
 
-    def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto"):
+    def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto", **_):
         seen.append(("forced", model_dir))
         return [[Position(t, 0, 3.0) for t in c] for _, c in seqs]
 

@@ -302,7 +302,7 @@ def test_run_cells_orchestration_with_a_fake_engine(tmp_path, monkeypatch):
             outs.append(Out(toks, lps if logprobs else None))
         return outs, {"vllm:spec_decode_num_drafts": 1}
 
-    def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto"):
+    def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto", **_):
         res = []
         for p, c in seqs:
             full = list(p) + list(c)
@@ -1060,12 +1060,17 @@ def test_speculative_tp2_cells_take_a_reference_at_their_own_tp_and_compilation(
     tmp_path, monkeypatch
 ):
     """A speculative cell at tensor_parallel_size 2 is judged against the
-    same target at TP=2, runner and compilation without speculation; the
-    tp2-probe's drafter "none" cells (the base alone) keep the TP=1 eager
-    reference, and so do TP=1 cells."""
+    same target at TP=2, runner and compilation without speculation, and
+    its teacher-forced pass (the drift oracle's and the tie margin's
+    reference) is a prefill of that target too; the tp2-probe's drafter
+    "none" cells (the base alone) keep the TP=1 eager reference, and so do
+    TP=1 cells."""
+    from conftest import greedy_forced
+
     import harness.equivalence as eq
 
-    seen = []
+    seen, forced_at = [], []
+    real_forced = eq.teacher_forced
 
     def fake_generate(cell, model_dir, waves, logprobs, batches=None):
         if all(cell is not c for c in cells):  # a reference (or its floor)
@@ -1073,7 +1078,11 @@ def test_speculative_tp2_cells_take_a_reference_at_their_own_tp_and_compilation(
                          cell.extra.get("tensor_parallel_size")))  # fmt: skip
         return [fake_output([1, 2, 3], logprobs) for w in waves for _ in w], {}
 
-    fake_engines(monkeypatch, fake_generate)
+    def forced(model, dtype, model_dir, seqs, kv="auto", chunked=False, par=None):
+        forced_at.append((len(seqs), par))
+        return greedy_forced(model, dtype, model_dir, seqs, kv)
+
+    fake_engines(monkeypatch, fake_generate, forced)
     tp, fp = {"tensor_parallel_size": 2}, "full_and_piecewise"
     cells = [
         eq.Cell("nemotron_h", "ngram", 5, 2, "default", graphs=fp, extra=tp,
@@ -1094,6 +1103,27 @@ def test_speculative_tp2_cells_take_a_reference_at_their_own_tp_and_compilation(
     assert eq.reference_parallel(cells[0]) == {
         "tensor_parallel_size": 2, "runner": "default", "graphs": fp,
     }  # fmt: skip
+    # one teacher-forced pass per reference parallelism: the TP=2 cell's
+    # reference, its floor and the cell at TP=2; the rest at TP=1 eager
+    # (2 prompts each: the shared TP=1 reference and its floor, the two
+    # cells judged against it; the TP=2 reference, its floor, its cell)
+    assert sorted(forced_at, key=lambda x: bool(x[1])) == [
+        (2 + 2 + 2 * 2, {}),
+        (2 + 2 + 2, eq.reference_parallel(cells[0])),
+    ]
+    # and that pass's engine is the TP=2 compiled target
+    kw = {}
+
+    def fake_engine(cell, model_dir):
+        kw.update(eq.engine_kwargs(cell, model_dir, None), runner=cell.runner)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(eq, "_engine", fake_engine)
+    with pytest.raises(RuntimeError, match="stop"):
+        real_forced("nemotron_h", "bfloat16", "/m", [([1] * 8, [2] * 4)],
+                    par=eq.reference_parallel(cells[0]))  # fmt: skip
+    assert kw["tensor_parallel_size"] == 2 and kw["runner"] == "default"
+    assert kw["compilation_config"] == {"cudagraph_mode": "FULL_AND_PIECEWISE"}
 
 
 def test_tp2_slice_shards_every_recurrent_head_count():
@@ -1311,7 +1341,7 @@ def test_regex_cells_are_judged_by_their_own_reference_run(tmp_path, monkeypatch
             toks = [100, 103, 102]  # the "bug": a masked-greedy token changed
         return [fake_output(list(toks), logprobs, -6.0) for w in waves for _ in w], {}
 
-    def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto"):
+    def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto", **_):
         # unmasked teacher forcing prefers token 200, which the grammar masks
         return [
             [
@@ -1357,7 +1387,7 @@ def test_constrained_cells_alone_are_judged_with_their_references_noise(
             fake_output(list(toks), logprobs, -0.1625) for w in waves for _ in w
         ], {}
 
-    def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto"):
+    def fake_forced(model, dtype, model_dir, seqs, kv_cache_dtype="auto", **_):
         # the prefill ranks the same two tokens first, 0.2 apart
         return [
             [Position.top({t: -0.1, t + 1: -0.3}, candidate=t) for t in c]
