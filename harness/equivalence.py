@@ -398,6 +398,13 @@ def spec_config(cell: Cell) -> dict | None:
         if cell.drafter == "ngram:acceptance":
             config["draft_length_policy"] = "acceptance"
         return config
+    if cell.drafter == "suffix":
+        # suffix decoding (Arctic Inference's suffix trees over the prompt
+        # and earlier answers): each step drafts 0..k tokens per request as
+        # the tree matches, so zero-draft rows and uneven drafts all along;
+        # arctic-inference ships as an sdist (hsfork.kit builds it on the
+        # GPU host)
+        return {"method": "suffix", "num_speculative_tokens": cell.k}
     if cell.drafter == "mtp":
         return {"method": "mtp", "num_speculative_tokens": cell.k}
     if cell.drafter in DRAFT_MODELS:
@@ -1609,6 +1616,22 @@ def slice_cells(name: str) -> list[Cell]:
             for m in ("jamba", "mamba", "nemotron_h")
             for k in (4, 8)
         ] + [Cell("jamba", "scripted:heterogeneous", 8, 8, "v1")]
+    if name == "suffix":
+        # suffix decoding on V1 (Model Runner V2 takes no draft-free
+        # method on v0.26.0). The trained fast-apply fixture's answers copy
+        # their prompts: long matches, long and uneven drafts. The
+        # random-weight fixtures' answers do not repeat (few drafts, as
+        # with n-gram): one GDN and one Mamba2 cell keep the zero-draft
+        # rows covered. None and align, eager and CUDA graphs, k up to the
+        # default tree depth (24)
+        fa, fp = FASTAPPLY, "full_and_piecewise"
+        return [
+            Cell(fa, "suffix", 16, 8, "v1", max_tokens=128),
+            Cell(fa, "suffix", 16, 8, "v1", "align", max_tokens=128),
+            Cell(fa, "suffix", 24, 16, "v1", graphs=fp, max_tokens=128),
+            Cell("qwen3_5", "suffix", 8, 8, "v1"),
+            Cell("nemotron_h", "suffix", 8, 8, "v1", "align", graphs=fp),
+        ]  # fmt: skip
     if name == "tp2-probe":
         # NemotronH at tensor_parallel_size=2 diverged at the first
         # generated token when compiled, whatever the drafter, and was

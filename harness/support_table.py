@@ -72,6 +72,7 @@ FAMILIES: dict[str, str] = {
 DRAFTERS: dict[str, str] = {
     "ngram": "n-gram",
     "ngram_gpu": "GPU n-gram",
+    "suffix": "suffix decoding",
     "mtp": "MTP",
     "eagle3": "EAGLE-3",
     "eagle": "EAGLE-1",

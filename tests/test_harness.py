@@ -1743,3 +1743,28 @@ def test_n2_cells_judge_every_completion(monkeypatch):
         [5, 1], [5, 1], [6, 1], [6, 1], [7, 1], [7, 1]
     ]  # fmt: skip
     assert eq.flat_prompts(waves, "plain") == [[5, 1], [6, 1], [7, 1]]
+
+
+def test_suffix_slice_runs_suffix_decoding_on_v1(line):
+    """Suffix decoding (arctic-inference, built on the host by hsfork.kit):
+    V1 only, since Model Runner V2 refuses it on both lines; the trained
+    fast-apply fixture in none and align mode and under CUDA graphs, plus a
+    GDN and a Mamba2 random-weight cell; the support table names it."""
+    from harness import support_table
+    from harness.equivalence import FASTAPPLY, engine_kwargs, slice_cells, spec_config
+
+    cells = slice_cells("suffix")
+    assert {c.drafter for c in cells} == {"suffix"}
+    assert {c.runner for c in cells} == {"v1"}
+    assert {c.model for c in cells} == {FASTAPPLY, "qwen3_5", "nemotron_h"}
+    fa = [c for c in cells if c.model == FASTAPPLY]
+    assert {c.cache_mode for c in fa} == {"none", "align"}
+    assert {c.graphs for c in cells} == {"eager", "full_and_piecewise"}
+    for cell in cells:
+        spec = spec_config(cell)
+        assert spec == {"method": "suffix", "num_speculative_tokens": cell.k}
+        # k within the suffix tree's default depth (24): longer drafts
+        # could never come
+        assert cell.k <= 24
+        assert engine_kwargs(cell, "/m", spec)["speculative_config"] == spec
+    assert support_table.DRAFTERS["suffix"] == "suffix decoding"
