@@ -1504,7 +1504,14 @@ def slice_cells(name: str) -> list[Cell]:
                 max_tokens=128,
             ),
             Cell(fa, "mtp", 3, 8, "mrv2", chunked=True, dtype=FP8, max_tokens=128),
-        ]
+            # the control of the cell above it with graphs: the same engine
+            # without a drafter, against the same eager reference. That MTP
+            # cell's one top-k entry over the drift bar (2.06 against 2.0 on
+            # v0.26.0, the same on upstream) is the compiled FP8 target's
+            # where this control shows it too, speculation's where it does not
+            Cell(fa, "none", 0, 16, "default", "align", "full_and_piecewise",
+                 async_sched=True, dtype=FP8, max_tokens=128),
+        ]  # fmt: skip
     if name == "draft-length":
         # per-request n-gram draft lengths (draft_length_policy="acceptance"):
         # lengths change per request and per step, down to zero drafts, next

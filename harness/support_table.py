@@ -82,6 +82,9 @@ DRAFTERS: dict[str, str] = {
     "draft_model:dense": "draft model (attention-only)",
     "draft_model": "draft model (hybrid)",
     "scripted": "scripted drafts (test drafter)",
+    # the target alone under a cell's engine (compilation, FP8): the share
+    # of a drift that is not speculation's
+    "none": "no drafter (control)",
 }
 RUNNERS: dict[str, str] = {"v1": "V1", "mrv2": "MRV2", "default": "default"}
 RUNNER_TEXT = {"v1": "V1", "mrv2": "MRV2 = Model Runner V2",

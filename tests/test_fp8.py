@@ -135,11 +135,17 @@ def test_fp8_slice_runs_the_fp8_copy_against_its_own_reference():
 
     cells = slice_cells("fp8")
     assert cells and {c.dtype for c in cells} == {FP8}
-    assert {c.drafter for c in cells} == {"ngram", "mtp"}
+    assert {c.drafter for c in cells} == {"ngram", "mtp", "none"}
     assert {c.cache_mode for c in cells} == {"none", "align"}
     for cell in cells:
         kw = engine_kwargs(cell, "/m-fp8", spec_config(cell))
         assert kw["dtype"] == "bfloat16"
+    # the compiled MTP cell has a control: the same engine without a drafter
+    (mtp,) = [c for c in cells if c.drafter == "mtp" and c.graphs != "eager"]
+    (control,) = [c for c in cells if c.drafter == "none"]
+    same = ("runner", "cache_mode", "graphs", "async_sched", "batch", "max_tokens")
+    assert all(getattr(control, f) == getattr(mtp, f) for f in same)
+    assert spec_config(control) is None
     assert FP8 in compare.TIE_MARGIN and FP8 in oracle.EPS
 
 

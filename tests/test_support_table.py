@@ -92,7 +92,7 @@ def test_synthetic_folder(folder: Path):
         "NemotronH (Mamba2)",
         "mystery, incl. KV cache fp8",
     )
-    columns = ("n-gram", "MTP", "scripted drafts (test drafter)", "suffix")
+    columns = ("n-gram", "MTP", "scripted drafts (test drafter)", "suffix decoding")
     assert set(t) == {(m, d) for m in (q, n, x) for d in columns}
     assert t[q, "n-gram"] == "V1: none 2 identical; align 1 identical<br>MRV2: not run"
     assert t[q, "scripted drafts (test drafter)"] == (
@@ -102,7 +102,7 @@ def test_synthetic_folder(folder: Path):
         "V1: none 1 errored²; align not run<br>MRV2: none not run; align 1 **diverged**"
     )
     assert t[n, "n-gram"] == "not run"
-    assert t[x, "suffix"].startswith("V1: none 1 identical")
+    assert t[x, "suffix decoding"].startswith("V1: none 1 identical")
     # footnotes: one per distinct reason, in order of first use
     notes = [x for x in md.splitlines() if x.startswith("- ")]
     assert notes == [
@@ -143,7 +143,7 @@ def test_tensor_parallel_cells_get_a_column_of_their_own(tmp_path: Path):
     assert t[n, "TP=2 (tensor parallel), any drafter"] == (
         "*n-gram*: V1: none 1 **diverged**¹<br>default: not run"
         "<br>*MTP*: V1: not run<br>default: none 1 **diverged**"
-        "<br>*none*: V1: not run<br>default: none 1 **diverged**¹"
+        "<br>*no drafter (control)*: V1: not run<br>default: none 1 **diverged**¹"
     )
     notes = [x for x in md.splitlines() if x.startswith("- ")]
     assert notes == [f"- ¹ {st.TP1_REFERENCE}."]
