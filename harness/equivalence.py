@@ -1624,8 +1624,9 @@ def slice_cells(name: str) -> list[Cell]:
             for k in (4, 8)
         ] + [Cell("jamba", "scripted:heterogeneous", 8, 8, "v1")]
     if name == "suffix":
-        # suffix decoding on V1 (Model Runner V2 takes no draft-free
-        # method on v0.26.0). The trained fast-apply fixture's answers copy
+        # suffix decoding on V1 (v0.33.0 refuses it on a forced Model
+        # Runner V2 and falls back to V1 by default; v0.26.0's V2 takes no
+        # draft-free method). The trained fast-apply fixture's answers copy
         # their prompts: long matches, long and uneven drafts. The
         # random-weight fixtures' answers do not repeat (few drafts, as
         # with n-gram): one GDN and one Mamba2 cell keep the zero-draft

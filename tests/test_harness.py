@@ -1747,7 +1747,7 @@ def test_n2_cells_judge_every_completion(monkeypatch):
 
 def test_suffix_slice_runs_suffix_decoding_on_v1(line):
     """Suffix decoding (arctic-inference, built on the host by hsfork.kit):
-    V1 only, since Model Runner V2 refuses it on both lines; the trained
+    V1 only, the runner both lines run it on; the trained
     fast-apply fixture in none and align mode and under CUDA graphs, plus a
     GDN and a Mamba2 random-weight cell; the support table names it."""
     from harness import support_table
