@@ -149,6 +149,33 @@ def verify(
     return Verification(len(candidate), div, ties, first, worst, tuple(margins))
 
 
+# A cell whose tie margin takes in more than this share of its positions
+# cannot be judged: the non-speculative runs' own disagreement with the
+# teacher-forced reference (the noise the margin is made of) is as large as
+# the choices being checked, so neither "ok" nor "diverged" says anything.
+# Of 1,850 judged cells in the reports up to 2026-11-28, the largest share
+# was 10 %, apart from three TP=2 NemotronH none-mode cells judged against a
+# TP=1 prefill: 52-55 %.
+UNJUDGED_TIE_SHARE = 0.25
+
+
+def judgeable(row: dict) -> dict:
+    """``row`` (a reported cell) with status ``inconclusive`` and the reason
+    where its ties exceed ``UNJUDGED_TIE_SHARE`` of its tokens; other rows
+    as they are. Applied when a cell is judged and when reports written
+    before this rule are read, so that one summary applies one rule."""
+    tokens, ties = row.get("tokens") or 0, row.get("ties") or 0
+    if row.get("status") not in ("ok", "diverged") or not tokens:
+        return row
+    if ties <= UNJUDGED_TIE_SHARE * tokens:
+        return row
+    why = (f"{ties} of {tokens} positions within the tie margin "
+           f"({row.get('tie_margin')}): the reference's own noise is as "
+           f"large as the choices checked")  # fmt: skip
+    return {**row, "status": "inconclusive", "judged_as": row["status"],
+            "inconclusive": why}  # fmt: skip
+
+
 def noise(generated: Sequence[Position], forced: Sequence[Position]) -> float:
     """Largest top-1/top-2 gap difference between the reference's generation
     and its teacher-forced prefill on the same tokens (kernel-path noise)."""

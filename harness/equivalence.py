@@ -31,7 +31,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import compat, oracle, sampled
-from .compare import TIE_MARGIN, CellSummary, Position, noise, verify, verify_run
+from .compare import (
+    TIE_MARGIN,
+    CellSummary,
+    Position,
+    judgeable,
+    noise,
+    verify,
+    verify_run,
+)
 from .drafter import LOG_ENV, SCRIPT_ENV
 from .fastapply_task import make_eval_set
 from .models import FAMILY_SPEC, FIRST_SPECIAL_ID, VOCAB
@@ -1200,6 +1208,9 @@ def run_cells(
                 # an invalid cell (not a refusal): it was to preempt
                 row.update(status="error", error="invalid cell: the engine "
                            "never preempted (vllm:num_preemptions 0)")  # fmt: skip
+            # a margin wide enough to take in a quarter of the positions
+            # judges nothing (compare.judgeable)
+            row.update(judgeable(row))
     for row in rows:
         print(json.dumps({k: row.get(k) for k in ("model", "drafter", "k", "batch",
               "runner", "status", "tokens", "divergences", "ties", "tie_margin",

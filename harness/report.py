@@ -31,7 +31,7 @@ REQUIRED = (
     "divergences",
     "ties",
 )
-STATUSES = ("ok", "diverged", "rejected", "error")
+STATUSES = ("ok", "diverged", "inconclusive", "rejected", "error")
 ROW_KEYS = ("model", "runner", "cache_mode", "graphs", "async", "chunked", "preempt")
 COL_KEYS = ("drafter", "k", "batch")
 
@@ -105,6 +105,8 @@ def markdown(cells: list[dict], title: str) -> str:
         )
         if c["status"] in ("rejected", "error"):
             detail = (c.get("error") or "").replace("|", "/").replace("\n", " ")[:160]
+        elif c["status"] == "inconclusive":
+            detail = c.get("inconclusive", "")
         elif c.get("first_divergence"):
             d = c["first_divergence"]
             margin = d.get("margin")
@@ -146,7 +148,7 @@ def heatmap(cells: list[dict], path: Path, title: str) -> None:
 
     rows = sorted({_label(c, ROW_KEYS) for c in cells})
     cols = sorted({_label(c, COL_KEYS) for c in cells})
-    code = {"ok": 0, "diverged": 1, "rejected": 2, "error": 3}
+    code = {"ok": 0, "diverged": 1, "rejected": 2, "error": 3, "inconclusive": 4}
     grid = [[float("nan")] * len(cols) for _ in rows]
     text = [[""] * len(cols) for _ in rows]
     for c in cells:
@@ -160,8 +162,8 @@ def heatmap(cells: list[dict], path: Path, title: str) -> None:
     fig_w = max(6, 0.9 * len(cols) + 4)
     fig_h = max(3, 0.45 * len(rows) + 2)
     fig, ax = plt.subplots(figsize=(fig_w, fig_h))
-    cmap = ListedColormap(["#3a9d5d", "#d64541", "#b0b0b0", "#222222"])
-    ax.imshow(grid, cmap=cmap, vmin=0, vmax=3, aspect="auto")
+    cmap = ListedColormap(["#3a9d5d", "#d64541", "#b0b0b0", "#222222", "#d4a017"])
+    ax.imshow(grid, cmap=cmap, vmin=0, vmax=4, aspect="auto")
     for r in range(len(rows)):
         for k in range(len(cols)):
             if text[r][k]:
@@ -169,7 +171,9 @@ def heatmap(cells: list[dict], path: Path, title: str) -> None:
                         fontsize=8)  # fmt: skip
     ax.set_xticks(range(len(cols)), cols, rotation=60, ha="right", fontsize=8)
     ax.set_yticks(range(len(rows)), rows, fontsize=8)
-    ax.set_title(title + "  (green ok, red diverged: count, grey rejected)")
+    ax.set_title(
+        title + "  (green ok, red diverged: count, grey rejected, amber inconclusive)"
+    )
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
@@ -208,7 +212,7 @@ def side_key(cell: dict) -> tuple:
     )
 
 
-_RANK = {"ok": 3, "diverged": 3, "error": 1, "rejected": 0}
+_RANK = {"ok": 3, "diverged": 3, "inconclusive": 2, "error": 1, "rejected": 0}
 
 
 def base_release(cells: Iterable[dict]) -> str:

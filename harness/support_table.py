@@ -91,7 +91,8 @@ RUNNER_TEXT = {"v1": "V1", "mrv2": "MRV2 = Model Runner V2",
                "default": "default = the line's default runner"}  # fmt: skip
 CACHE_MODES = ("none", "align", "all")
 # status -> word; the order in which an entry lists them
-WORDS = {"ok": "identical", "diverged": "diverged", "error": "errored",
+WORDS = {"ok": "identical", "diverged": "diverged",
+         "inconclusive": "inconclusive", "error": "errored",
          "rejected": "refused"}  # fmt: skip
 SUPER = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
 BEGIN = re.compile(r"<!-- support-table BEGIN line=(\S+) dir=(\S+) -->\n")
@@ -124,6 +125,15 @@ TP1_REFERENCE = (
     "judged against the eager non-speculative target at TP=1; a compiled "
     "target at TP > 1 can differ from it without speculation (the drafter "
     '"none" cells), so this is not yet a verdict on speculation'
+)
+
+
+# the footnote of an inconclusive cell (harness.compare.judgeable)
+INCONCLUSIVE = (
+    "inconclusive: more than a quarter of its positions fall within the tie "
+    "margin, which the non-speculative runs' own distance from the "
+    "teacher-forced reference sets; neither identical nor diverged can be "
+    "told there"
 )
 
 
@@ -315,6 +325,8 @@ def _table(report_dir: Path, line: str, base: Path | None, also: Sequence[Path])
             why = TP1_REFERENCE
         elif c["status"] in ("error", "rejected"):
             why = reason(c)
+        elif c["status"] == "inconclusive":
+            why = INCONCLUSIVE
         else:
             return ""
         return str(notes.setdefault(why, len(notes) + 1)).translate(SUPER)
@@ -375,7 +387,8 @@ def _table(report_dir: Path, line: str, base: Path | None, also: Sequence[Path])
 
     def totals(cells: list[dict]) -> str:
         n = Counter(c["status"] for c in cells)
-        return ", ".join(f"{n[s]} {WORDS[s]}" for s in WORDS)
+        return ", ".join(f"{n[s]} {WORDS[s]}" for s in WORDS
+                         if n[s] or s != "inconclusive")  # fmt: skip
 
     link = report_dir / "README.md"
     link = link if link.exists() else report_dir

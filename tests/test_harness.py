@@ -232,11 +232,14 @@ def test_report_files(tmp_path):
         _cell(drafter="scripted:accept_then_zero", status="diverged", divergences=3,
               first_divergence={"prompt": 1, "position": 5, "margin": 2.5}),
         _cell(runner="mrv2", status="rejected", error="ngram not supported | x"),
+        _cell(cache_mode="align", status="inconclusive", ties=60,
+              inconclusive="60 of 100 positions within the tie margin"),
     ]  # fmt: skip
     paths = write_report(cells, tmp_path, "unit")
     assert json.loads(paths["json"].read_text()) == cells
     md = paths["md"].read_text()
-    assert "3 cells: 1 ok, 1 diverged, 1 rejected" in md
+    assert "4 cells: 1 ok, 1 diverged, 1 inconclusive, 1 rejected" in md
+    assert "60 of 100 positions within the tie margin" in md
     assert "prompt 1 pos 5 margin 2.5" in md and "ngram not supported / x" in md
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert markdown([], "empty").startswith("# empty")
@@ -1381,7 +1384,9 @@ def test_constrained_cells_alone_are_judged_with_their_references_noise(
     import harness.equivalence as eq
 
     def fake_generate(cell, model_dir, waves, logprobs, batches=None):
-        toks = [100, 102, 102] if cell.drafter == "mtp" else [100, 101, 102]
+        toks = list(range(100, 112))
+        if cell.drafter == "mtp":
+            toks[9] = 110  # where the reference has 109
         # the run's gap between its token t and t + 1: 0.0625
         return [
             fake_output(list(toks), logprobs, -0.1625) for w in waves for _ in w
@@ -1396,8 +1401,8 @@ def test_constrained_cells_alone_are_judged_with_their_references_noise(
 
     fake_engines(monkeypatch, fake_generate, fake_forced)
     cells = [
-        eq.Cell("qwen3_5", "ngram", 8, 2, request="regex", max_tokens=3),
-        eq.Cell("qwen3_5", "mtp", 3, 2, request="regex", max_tokens=3),
+        eq.Cell("qwen3_5", "ngram", 8, 2, request="regex", max_tokens=12),
+        eq.Cell("qwen3_5", "mtp", 3, 2, request="regex", max_tokens=12),
     ]
     rows = eq.run_cells(cells, tmp_path, n_prompts=2, seed=0)
     # noise |0.0625 - 0.2|, the tie margin twice that
@@ -1768,3 +1773,46 @@ def test_suffix_slice_runs_suffix_decoding_on_v1(line):
         assert cell.k <= 24
         assert engine_kwargs(cell, "/m", spec)["speculative_config"] == spec
     assert support_table.DRAFTERS["suffix"] == "suffix decoding"
+
+
+def test_a_margin_that_takes_in_most_positions_judges_nothing():
+    """compare.judgeable: a cell with more than a quarter of its positions
+    inside the tie margin is inconclusive, whichever way it came out (its
+    earlier verdict and the reason kept); a cell at or under the share, and
+    an errored or refused cell, is left as it is."""
+    from harness.compare import UNJUDGED_TIE_SHARE, judgeable
+
+    assert UNJUDGED_TIE_SHARE == 0.25
+    for status in ("ok", "diverged"):
+        row = {"status": status, "tokens": 768, "ties": 399, "tie_margin": 14.125}
+        out = judgeable(row)
+        assert out["status"] == "inconclusive" and out["judged_as"] == status
+        assert (
+            "399 of 768 positions within the tie margin (14.125)" in out["inconclusive"]
+        )
+        assert row["status"] == status  # the input is not changed
+    at_share = {"status": "ok", "tokens": 768, "ties": 192}
+    assert judgeable(at_share) is at_share
+    for row in ({"status": "error", "tokens": 0, "ties": 0},
+                {"status": "rejected"}, {"status": "ok", "tokens": 0}):  # fmt: skip
+        assert judgeable(row) is row
+
+
+def test_run_cells_reports_an_unjudgeable_cell_as_inconclusive(tmp_path, monkeypatch):
+    """A candidate whose every token is the reference's close second (a
+    tie, inside the margin) matched nothing the harness can tell from
+    noise: run_cells reports it inconclusive, not ok."""
+    import harness.equivalence as eq
+
+    def fake_generate(cell, model_dir, waves, logprobs, batches=None):
+        return [fake_output([1, 2, 3], logprobs) for w in waves for _ in w], {}
+
+    def close_second(model, dtype, model_dir, seqs, kv="auto", **_):
+        # the reference prefers token + 1 by 0.01 at every position
+        return [[Position(t + 1, t, 0.01) for t in c] for _, c in seqs]
+
+    fake_engines(monkeypatch, fake_generate, close_second)
+    cells = [eq.Cell("qwen3_5", "ngram", 5, 2, max_tokens=3)]
+    (row,) = eq.run_cells(cells, tmp_path, n_prompts=2, seed=0)
+    assert row["ties"] == row["tokens"] == 6
+    assert row["status"] == "inconclusive" and row["judged_as"] == "ok"

@@ -360,3 +360,25 @@ def test_medusa_and_dspark_columns(tmp_path: Path):
         "- ¹ method 'medusa': Input should be 'ngram', 'draft_model', 'eagle', "
         "'eagle3', 'dflash', 'ngram_gpu' or 'dspark'."
     ]
+
+
+def test_a_cell_whose_margin_takes_in_most_positions_is_inconclusive(tmp_path):
+    """A reported cell with more than a quarter of its positions inside the
+    tie margin (written ok or diverged, before the rule existed) reads
+    inconclusive, with a footnote saying why, and counts apart."""
+    d = tmp_path / "v9.9.9" / "full-matrix-h100-2030-01-03"
+    d.mkdir(parents=True)
+    wide = {"ties": 426, "tokens": 768, "tie_margin": 7.75}
+    fork = [
+        cell("nemotron_h", "mtp", "ok"),
+        cell("nemotron_h", "mtp", "diverged", cache_mode="align", **wide),
+    ]
+    (d / "a-fork.json").write_text(json.dumps(fork))
+    md = st.table(d, base=d.parent)
+    t = parse(md)
+    assert t["NemotronH (Mamba2)", "MTP"] == (
+        "V1: none 1 identical; align 1 inconclusive¹"
+    )
+    notes = [x for x in md.splitlines() if x.startswith("- ")]
+    assert notes == [f"- ¹ {st.INCONCLUSIVE}."]
+    assert "(1 identical, 0 diverged, 1 inconclusive, 0 errored, 0 refused)" in md
