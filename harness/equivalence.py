@@ -632,8 +632,15 @@ def teacher_forced(
     if longest + 1 > 2048:  # engine_kwargs' default
         extra["max_model_len"] = -(-(longest + 1) // 16) * 16
     par = dict(par or {})
+    graphs = par.pop("graphs", "eager")
+    if graphs != "eager":
+        # compiled as the reference, without capturing CUDA graphs: this
+        # pass is prefills only, of far more tokens than the largest
+        # captured size, so they run the compiled graph's kernels without
+        # graphs either way; capturing would only lengthen the start
+        graphs = "none"
     cell = Cell(model, "none", 0, len(seqs), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                runner=par.pop("runner", "v1"), graphs=par.pop("graphs", "eager"),
+                runner=par.pop("runner", "v1"), graphs=graphs,
                 extra={**extra, **par})  # fmt: skip
     if chunked:
         cell = plp_chunk_cell(cell)
