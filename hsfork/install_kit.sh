@@ -37,14 +37,14 @@ TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 mkdir -p "$TMP/bdeps" "$TMP/wheel" "$TARGET/deps"
 if compgen -G "$KIT/build-deps/*.whl" >/dev/null; then
-  "$PY" -m pip install --quiet --no-index --no-deps --disable-pip-version-check \
-    --target "$TMP/bdeps" "$KIT"/build-deps/*.whl
+  "$PY" -m pip install --quiet --no-index --no-deps --no-cache-dir \
+    --disable-pip-version-check --target "$TMP/bdeps" "$KIT"/build-deps/*.whl
 fi
 t0=$SECONDS
 # the build requirements first on the path; the host's (torch) after them
 PYTHONPATH="$TMP/bdeps${PYTHONPATH:+:$PYTHONPATH}" PATH="$TMP/bdeps/bin:$PATH" \
   "$PY" -m pip wheel --quiet --no-index --no-deps --no-build-isolation \
-  --disable-pip-version-check -w "$TMP/wheel" "$KIT/$SDIST"
-"$PY" -m pip install --quiet --no-index --no-deps --disable-pip-version-check \
-  --upgrade --target "$TARGET/deps" "$TMP"/wheel/*.whl
+  --no-cache-dir --disable-pip-version-check -w "$TMP/wheel" "$KIT/$SDIST"
+"$PY" -m pip install --quiet --no-index --no-deps --no-cache-dir \
+  --disable-pip-version-check --upgrade --target "$TARGET/deps" "$TMP"/wheel/*.whl
 echo "[kit] built and installed $(basename "$TMP"/wheel/*.whl) into $TARGET/deps in $((SECONDS - t0)) s"

@@ -97,7 +97,6 @@ def make_kit(requirement: str, out: Path) -> dict:
         "requirement": requirement,
         "sdist": sdist.name,
         "build_requires": requires,
-        "from_host": [r for r in requires if r not in fetch],
         "files": {str(p.relative_to(out)): sha256_file(p) for p in files},
     }
     (out / "kit.json").write_text(json.dumps(manifest, indent=1) + "\n")
