@@ -750,6 +750,19 @@ def test_side_by_side_skips_pairs_past_the_deadline(tmp_path, monkeypatch, capsy
     assert "skip none repeat 0" in capsys.readouterr().out
 
 
+def test_run_estimate_takes_a_modes_latest_run_not_its_cold_first():
+    # a first run that compiled (268 s), then one that read the cache (81 s)
+    walls: dict[str, float] = {}
+    assert sbs.run_estimate(walls, "mtp", 300.0) == 300.0
+    walls["mtp"] = 268.0
+    assert sbs.run_estimate(walls, "mtp", 300.0) == 268.0
+    walls["mtp"] = 81.0
+    assert sbs.run_estimate(walls, "mtp", 300.0) == 81.0
+    # a mode not run yet may compile: the longest latest run seen
+    walls["none"] = 120.0
+    assert sbs.run_estimate(walls, "scripted70", 300.0) == 120.0
+
+
 def test_side_by_side_stops_on_a_wrong_install(tmp_path, monkeypatch):
     site, patches = _sites(tmp_path)
     fake = tmp_path / "fake-python"
