@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import random
+import re
 import tempfile
 import time
 import traceback
@@ -894,12 +895,37 @@ def _at_run_time():
         raise
 
 
+# What vLLM says when a cell's model directory (a fixture the harness did not
+# generate on this host, e.g. the trained fast-apply one) or its weights are
+# not there: the cell never ran, so it is neither a refusal nor a result.
+MISSING_INPUT = re.compile(
+    r"Invalid repository ID or local directory specified"
+    # huggingface_hub, handed an absolute path that is no directory here
+    r"|Repo id must be in the form 'repo_name' or 'namespace/repo_name': '/"
+    r"|No such file or directory: \S*(?:model\.safetensors|config\.json)"
+)
+
+
+def missing_input(row: dict) -> bool:
+    """Whether a reported cell failed because its model files were missing
+    (``MISSING_INPUT``): summaries read it as not run."""
+    return row.get("status") in ("rejected", "error") and bool(
+        MISSING_INPUT.search(str(row.get("error") or ""))
+    )
+
+
 def _error_row(row: dict, e: BaseException) -> None:
     text = "".join(traceback.format_exception_only(type(e), e)).strip()
-    # a refusal is raised while the engine is built, not while it decodes
-    rejected = not getattr(e, AT_RUN_TIME, False) and (
-        isinstance(e, (ValueError, NotImplementedError))
-        or "not supported" in text.lower()
+    # a refusal is raised while the engine is built, not while it decodes;
+    # a model directory that is not there (pydantic raises a ValueError) is
+    # not one either
+    rejected = (
+        not getattr(e, AT_RUN_TIME, False)
+        and not MISSING_INPUT.search(text)
+        and (
+            isinstance(e, (ValueError, NotImplementedError))
+            or "not supported" in text.lower()
+        )
     )
     row.update(status="rejected" if rejected else "error", error=text[-2000:])
     if not rejected:

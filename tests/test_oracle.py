@@ -451,6 +451,48 @@ def test_run_time_value_error_is_an_error_not_a_refusal(monkeypatch, tmp_path):
     assert [r["status"] for r in rows] == ["error", "rejected"]
 
 
+def test_a_missing_model_directory_is_not_a_refusal(monkeypatch, tmp_path):
+    """pydantic raises a ValueError for a model directory that is not there
+    (a fixture that did not reach the host): that cell never ran. It is an
+    error, not a refusal, and summaries read it as not run."""
+    from harness import equivalence as eq
+    from harness import full_matrix, models
+
+    missing = (
+        "1 validation error for ModelConfig\n  Value error, Invalid repository "
+        "ID or local directory specified: '/w/fixtures/fastapply'."
+    )
+
+    def engine(cell, d):
+        llm = FakeLLM(cell, noise=1e-3)
+        if not llm.spec:  # the reference
+            return llm
+        if cell.drafter == "mtp":
+            raise ValueError("MTP is not supported for this model")
+        raise ValueError(missing)
+
+    monkeypatch.setattr(eq, "_engine", engine)
+    monkeypatch.setattr(eq, "_shutdown", lambda llm: None)
+    monkeypatch.setattr(models, "write_model", lambda kind, out, seed=0: out)
+    cells = [eq.Cell("qwen3_5", "ngram", 5, 4, max_tokens=24),
+             eq.Cell("qwen3_5", "mtp", 3, 4, max_tokens=24)]  # fmt: skip
+    rows = eq.run_cells(cells, tmp_path, n_prompts=4, seed=0)
+    assert [r["status"] for r in rows] == ["error", "rejected"]
+    # rows written before the rule: refused (vLLM's and huggingface_hub's
+    # words for a directory that is not there), the weights file missing
+    hub = ("HFValidationError: Repo id must be in the form 'repo_name' or "
+           "'namespace/repo_name': '/w/repo/fixtures/fastapply'.")  # fmt: skip
+    old = [{**rows[0], "status": "rejected"},
+           {**rows[0], "k": 7, "status": "rejected", "error": hub},
+           {**rows[1], "drafter": "ngram", "k": 9, "status": "error",
+            "error": "FileNotFoundError: No such file or directory: "
+                     "/w/fixtures/fastapply/model.safetensors"}]  # fmt: skip
+    (tmp_path / "s-fork.json").write_text(json.dumps(old + [rows[1]]))
+    got = full_matrix.collect(tmp_path)["fork"]
+    assert [c["status"] for c, _ in got.values()] == ["rejected"]
+    assert [c["drafter"] for c, _ in got.values()] == ["mtp"]
+
+
 def test_full_matrix_summary_names_worst_drift(tmp_path, monkeypatch):
     from harness import full_matrix
 
