@@ -18,7 +18,9 @@ ratio of medians over the steps behind them (each side's steps of all its
 repeats, resampled independently). It covers the step-to-step noise within
 the run only: a shift of a whole run (another process on the host, a
 warmer GPU) is not in it, which only repeats (``side_by_side --repeats``,
-ABBA) or a second run show.
+ABBA) or a second run show. With repeats, ``pair_rows`` adds each ABBA
+pair's own ratio and each variant's run-to-run shift (the same code run
+again in the lease) to the report.
 """
 
 from __future__ import annotations
@@ -170,6 +172,44 @@ def ratio_rows(docs: Iterable[dict], threshold: float = THRESHOLD) -> list[dict]
     return rows
 
 
+def pair_rows(docs: Iterable[dict]) -> list[dict]:
+    """Per (mode, BS) with at least two repeats on a side: each ABBA pair's
+    own ratio (fork / upstream of the pair's medians), their median and
+    range, and each variant's run-to-run shift (its slowest repeat's median
+    over its fastest): the same code run again in the same lease, the
+    noise a fork cost has to stand out of. The ratio column of
+    ``ratio_rows`` averages the repeats first; this keeps them apart."""
+    med: dict[tuple[str, int, str], dict[int, float]] = {}
+    for doc in docs:
+        for r in doc.get("results", []):
+            if r.get("median_ms") is not None:
+                key = (doc["mode"], int(r["bs"]), doc["variant"])
+                med.setdefault(key, {})[int(doc.get("repeat", 0))] = r["median_ms"]
+    rows = []
+    for mode, bs in sorted(
+        {(m, b) for m, b, _ in med}, key=lambda k: (_mode_key(k[0]), k[0], k[1])
+    ):
+        f, u = med.get((mode, bs, "fork"), {}), med.get((mode, bs, "upstream"), {})
+        if max(len(f), len(u)) < 2:
+            continue
+        pairs = [f[i] / u[i] for i in sorted(set(f) & set(u)) if u[i]]
+        rows.append(
+            {
+                "mode": mode,
+                "bs": bs,
+                "pair_ratios": pairs,
+                "median": statistics.median(pairs) if pairs else None,
+                "low": min(pairs, default=None),
+                "high": max(pairs, default=None),
+                "shift": {
+                    v: (max(m.values()) / min(m.values()) if len(m) > 1 else None)
+                    for v, m in (("fork", f), ("upstream", u))
+                },
+            }
+        )
+    return rows
+
+
 def _f(x, fmt: str = "{:.3f}") -> str:
     return "–" if x is None else fmt.format(x)
 
@@ -263,6 +303,28 @@ def markdown(docs: list[dict], rows: list[dict], run: str, threshold: float) -> 
             lines.append(
                 f"**{mode}**: largest ratio {worst['ratio']:.4f} at BS {worst['bs']}; "
                 f"{'all' if ok else 'NOT all'} within {threshold}."
+            )
+    pairs = pair_rows(docs)
+    if pairs:
+        lines += [
+            "",
+            "## ABBA pairs",
+            "",
+            "Each pair's own ratio, and each variant's run-to-run shift "
+            "(slowest repeat / fastest, unchanged code in the same lease). "
+            "A fork cost shows as pair ratios above 1 by more than the "
+            "shifts; the interval above does not include them.",
+            "",
+            "| mode | BS | pair ratios | median | range | fork shift "
+            "| upstream shift |",
+            "|---|---:|---|---:|---|---:|---:|",
+        ]
+        for p in pairs:
+            lines.append(
+                f"| {p['mode']} | {p['bs']} "
+                f"| {', '.join(f'{x:.3f}' for x in p['pair_ratios']) or '–'} "
+                f"| {_f(p['median'])} | {_f(p['low'])} – {_f(p['high'])} "
+                f"| {_f(p['shift']['fork'])} | {_f(p['shift']['upstream'])} |"
             )
     lines += [
         "",
@@ -404,9 +466,11 @@ def write_report(
     paths["md"] = out / f"{run}.md"
     paths["md"].write_text(markdown(docs, rows, run, threshold))
     paths["json"] = out / f"{run}.json"
-    paths["json"].write_text(
-        json.dumps({"run": run, "threshold": threshold, "rows": rows}, indent=1) + "\n"
-    )
+    doc = {"run": run, "threshold": threshold, "rows": rows}
+    pairs = pair_rows(docs)
+    if pairs:
+        doc["pairs"] = pairs
+    paths["json"].write_text(json.dumps(doc, indent=1) + "\n")
     png = plot_png(rows, out / f"{run}.png", threshold)
     if png:
         paths["png"] = png

@@ -508,6 +508,39 @@ def test_ratio_rows_average_repeats_and_flag_incomplete():
     assert rows[1]["verdict"] == "incomplete" and rows[1]["ratio"] is None
 
 
+def test_pair_rows_keep_each_abba_pair_and_the_same_code_shift(tmp_path):
+    """Averaging the repeats first hides a whole run's shift; the pairs
+    table keeps each pair's own ratio and each variant's run-to-run shift."""
+    docs = [
+        _doc("mtp", "fork", [_result(8, 11.0)], repeat=0),
+        _doc("mtp", "upstream", [_result(8, 10.0)], repeat=0),
+        _doc("mtp", "upstream", [_result(8, 12.0)], repeat=1),
+        _doc("mtp", "fork", [_result(8, 12.0)], repeat=1),
+        _doc("mtp", "fork", [_result(8, 11.0)], repeat=2),  # partner missing
+        _doc("none", "fork", [_result(1, 10.0)]),  # one repeat: no pairs row
+        _doc("none", "upstream", [_result(1, 10.0)]),
+    ]
+    (row,) = plot.pair_rows(docs)
+    assert (row["mode"], row["bs"]) == ("mtp", 8)
+    assert row["pair_ratios"] == pytest.approx([1.1, 1.0])
+    assert row["median"] == pytest.approx(1.05)
+    assert (row["low"], row["high"]) == (pytest.approx(1.0), pytest.approx(1.1))
+    assert row["shift"]["upstream"] == pytest.approx(1.2)
+    assert row["shift"]["fork"] == pytest.approx(12.0 / 11.0)
+    for i, d in enumerate(docs):
+        (tmp_path / f"d{i}.json").write_text(json.dumps(d))
+    paths = plot.write_report([tmp_path], tmp_path / "rep", "p")
+    md = paths["md"].read_text()
+    assert "## ABBA pairs" in md
+    assert "| mtp | 8 | 1.100, 1.000 | 1.050 | 1.000 – 1.100 | 1.091 | 1.200 |" in md
+    got = json.loads(paths["json"].read_text())["pairs"][0]
+    assert got["median"] == pytest.approx(1.05)
+    # one run per side: no pairs table
+    one = plot.write_report([tmp_path / "d5.json", tmp_path / "d6.json"],
+                            tmp_path / "rep1", "q")  # fmt: skip
+    assert "ABBA pairs" not in one["md"].read_text()
+
+
 def test_ratio_ci_is_over_the_steps_behind_the_medians():
     """The 95 % interval of the ratio resamples the full-batch decode steps
     (prefill and partial-batch steps are not samples): a fork 10 % slower
