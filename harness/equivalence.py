@@ -914,12 +914,12 @@ def missing_input(row: dict) -> bool:
     )
 
 
-def _error_row(row: dict, e: BaseException) -> None:
+def _is_refusal(e: BaseException) -> bool:
+    """Whether ``e`` refuses a configuration: raised while the engine is
+    built, not while it decodes; a model directory that is not there
+    (pydantic raises a ValueError) is not one either."""
     text = "".join(traceback.format_exception_only(type(e), e)).strip()
-    # a refusal is raised while the engine is built, not while it decodes;
-    # a model directory that is not there (pydantic raises a ValueError) is
-    # not one either
-    rejected = (
+    return (
         not getattr(e, AT_RUN_TIME, False)
         and not MISSING_INPUT.search(text)
         and (
@@ -927,6 +927,27 @@ def _error_row(row: dict, e: BaseException) -> None:
             or "not supported" in text.lower()
         )
     )
+
+
+def _refusal_or(cell: Cell, model_dir: str, e: BaseException) -> BaseException:
+    """The exception a cell reports when its non-speculative reference
+    failed with ``e``: the candidate's own refusal where its engine refuses
+    the configuration (a refused cell needs no reference: its verdict is the
+    refusal), else ``e``. A base model that fails without speculation (Plamo2
+    on v0.26.0 on a GPU) so reports the refusal its speculative cells get."""
+    if cell.drafter == "none":
+        return e
+    try:
+        llm = _engine(cell, model_dir)
+    except Exception as c:  # noqa: BLE001 - only a refusal replaces ``e``
+        return c if _is_refusal(c) else e
+    _shutdown(llm)
+    return e
+
+
+def _error_row(row: dict, e: BaseException) -> None:
+    text = "".join(traceback.format_exception_only(type(e), e)).strip()
+    rejected = _is_refusal(e)
     row.update(status="rejected" if rejected else "error", error=text[-2000:])
     if not rejected:
         row["traceback"] = traceback.format_exc()[-4000:]
@@ -1016,8 +1037,14 @@ def run_cells(
                     waves = [cell_prompts(cell.model, n, seed)]
                 # each wave, then again in another batch composition in the
                 # same engine: the drift oracle's noise floor (fouts)
-                outs, fouts = oracle.with_floor(generate, ref_cell, model_dir,
-                                                waves[0], n)  # fmt: skip
+                try:
+                    outs, fouts = oracle.with_floor(generate, ref_cell, model_dir,
+                                                    waves[0], n)  # fmt: skip
+                except Exception as e:  # noqa: BLE001 - reported by the cell
+                    refusal = _refusal_or(cell, model_dir, e)
+                    if refusal is e:
+                        raise
+                    raise refusal from e
                 last = outs
                 for turn in range(1, n_waves):
                     n_s = samples_per_prompt(reference_request(cell))

@@ -493,6 +493,42 @@ def test_a_missing_model_directory_is_not_a_refusal(monkeypatch, tmp_path):
     assert [c["drafter"] for c, _ in got.values()] == ["mtp"]
 
 
+def test_a_refused_candidate_needs_no_reference(monkeypatch, tmp_path):
+    """A base model that fails without speculation (Plamo2 on v0.26.0 on a
+    GPU) left its speculative cells errored with the reference's error,
+    though the fork refuses them at config time. A refused configuration
+    needs no reference: the cell reports the refusal. A candidate that is
+    not refused keeps the reference's error."""
+    from harness import equivalence as eq
+    from harness import models
+
+    built = []
+
+    class BrokenBase(FakeLLM):
+        def generate(self, prompts, sp, use_tqdm=False):
+            raise RuntimeError("rms_norm, layernorm_kernels.cu:233")
+
+    def engine(cell, d):
+        built.append(cell.drafter)
+        if cell.drafter == "ngram":
+            raise ValueError(
+                "Speculative decoding is not supported for Plamo2ForCausalLM"
+            )
+        return BrokenBase(cell, noise=1e-3)
+
+    monkeypatch.setattr(eq, "_engine", engine)
+    monkeypatch.setattr(eq, "_shutdown", lambda llm: None)
+    monkeypatch.setattr(models, "write_model", lambda kind, out, seed=0: out)
+    cells = [eq.Cell("qwen3_5", "ngram", 5, 4, max_tokens=24),
+             eq.Cell("qwen3_5", "mtp", 3, 4, max_tokens=24)]  # fmt: skip
+    rows = eq.run_cells(cells, tmp_path, n_prompts=4, seed=0)
+    assert [r["status"] for r in rows] == ["rejected", "error"]
+    assert "not supported for Plamo2ForCausalLM" in rows[0]["error"]
+    assert "rms_norm" in rows[1]["error"]
+    # each cell: its reference, then its candidate's engine (built only)
+    assert built == ["none", "ngram", "none", "mtp"]
+
+
 def test_full_matrix_summary_names_worst_drift(tmp_path, monkeypatch):
     from harness import full_matrix
 
