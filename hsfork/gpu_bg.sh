@@ -31,7 +31,7 @@ bg_start() {
 _bg_alive() { kill -0 "$(cat "$HS_BG/$1.pid" 2>/dev/null)" 2>/dev/null; }
 
 bg_status() {
-  local f name
+  local f name state
   for f in "$HS_BG"/*.pid; do
     [ -f "$f" ] || continue
     name=$(basename "$f" .pid)
