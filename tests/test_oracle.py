@@ -424,12 +424,24 @@ def test_run_cells_divergence_still_caught(monkeypatch, tmp_path):
     assert row["status"] == "diverged" and row["divergences"] > 0
 
 
+def _ngram_and_mtp_cells(monkeypatch, tmp_path, engine) -> list[dict]:
+    """run_cells over an n-gram and an MTP cell of the Qwen3.5 fixture, with
+    ``engine(cell, model_dir)`` in place of vLLM."""
+    from harness import equivalence as eq
+    from harness import models
+
+    monkeypatch.setattr(eq, "_engine", engine)
+    monkeypatch.setattr(eq, "_shutdown", lambda llm: None)
+    monkeypatch.setattr(models, "write_model", lambda kind, out, seed=0: out)
+    cells = [eq.Cell("qwen3_5", "ngram", 5, 4, max_tokens=24),
+             eq.Cell("qwen3_5", "mtp", 3, 4, max_tokens=24)]  # fmt: skip
+    return eq.run_cells(cells, tmp_path, n_prompts=4, seed=0)
+
+
 def test_run_time_value_error_is_an_error_not_a_refusal(monkeypatch, tmp_path):
     """vLLM runs in-process, so a ValueError raised while a speculative
     engine decodes reaches run_cells as such: the cell's error. Only one
     raised while the engine is built is a refusal ("rejected")."""
-    from harness import equivalence as eq
-    from harness import models
 
     class Broken(FakeLLM):
         def generate(self, prompts, sp, use_tqdm=False):
@@ -442,12 +454,7 @@ def test_run_time_value_error_is_an_error_not_a_refusal(monkeypatch, tmp_path):
             raise ValueError("MTP is not supported for this model")
         return Broken(cell, noise=1e-3)
 
-    monkeypatch.setattr(eq, "_engine", engine)
-    monkeypatch.setattr(eq, "_shutdown", lambda llm: None)
-    monkeypatch.setattr(models, "write_model", lambda kind, out, seed=0: out)
-    cells = [eq.Cell("qwen3_5", "ngram", 5, 4, max_tokens=24),
-             eq.Cell("qwen3_5", "mtp", 3, 4, max_tokens=24)]  # fmt: skip
-    rows = eq.run_cells(cells, tmp_path, n_prompts=4, seed=0)
+    rows = _ngram_and_mtp_cells(monkeypatch, tmp_path, engine)
     assert [r["status"] for r in rows] == ["error", "rejected"]
 
 
@@ -455,8 +462,7 @@ def test_a_missing_model_directory_is_not_a_refusal(monkeypatch, tmp_path):
     """pydantic raises a ValueError for a model directory that is not there
     (a fixture that did not reach the host): that cell never ran. It is an
     error, not a refusal, and summaries read it as not run."""
-    from harness import equivalence as eq
-    from harness import full_matrix, models
+    from harness import full_matrix
 
     missing = (
         "1 validation error for ModelConfig\n  Value error, Invalid repository "
@@ -471,12 +477,7 @@ def test_a_missing_model_directory_is_not_a_refusal(monkeypatch, tmp_path):
             raise ValueError("MTP is not supported for this model")
         raise ValueError(missing)
 
-    monkeypatch.setattr(eq, "_engine", engine)
-    monkeypatch.setattr(eq, "_shutdown", lambda llm: None)
-    monkeypatch.setattr(models, "write_model", lambda kind, out, seed=0: out)
-    cells = [eq.Cell("qwen3_5", "ngram", 5, 4, max_tokens=24),
-             eq.Cell("qwen3_5", "mtp", 3, 4, max_tokens=24)]  # fmt: skip
-    rows = eq.run_cells(cells, tmp_path, n_prompts=4, seed=0)
+    rows = _ngram_and_mtp_cells(monkeypatch, tmp_path, engine)
     assert [r["status"] for r in rows] == ["error", "rejected"]
     # rows written before the rule: refused (vLLM's and huggingface_hub's
     # words for a directory that is not there), the weights file missing
@@ -499,8 +500,6 @@ def test_a_refused_candidate_needs_no_reference(monkeypatch, tmp_path):
     though the fork refuses them at config time. A refused configuration
     needs no reference: the cell reports the refusal. A candidate that is
     not refused keeps the reference's error."""
-    from harness import equivalence as eq
-    from harness import models
 
     built = []
 
@@ -516,12 +515,7 @@ def test_a_refused_candidate_needs_no_reference(monkeypatch, tmp_path):
             )
         return BrokenBase(cell, noise=1e-3)
 
-    monkeypatch.setattr(eq, "_engine", engine)
-    monkeypatch.setattr(eq, "_shutdown", lambda llm: None)
-    monkeypatch.setattr(models, "write_model", lambda kind, out, seed=0: out)
-    cells = [eq.Cell("qwen3_5", "ngram", 5, 4, max_tokens=24),
-             eq.Cell("qwen3_5", "mtp", 3, 4, max_tokens=24)]  # fmt: skip
-    rows = eq.run_cells(cells, tmp_path, n_prompts=4, seed=0)
+    rows = _ngram_and_mtp_cells(monkeypatch, tmp_path, engine)
     assert [r["status"] for r in rows] == ["rejected", "error"]
     assert "not supported for Plamo2ForCausalLM" in rows[0]["error"]
     assert "rms_norm" in rows[1]["error"]
