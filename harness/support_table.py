@@ -201,7 +201,9 @@ def _ran(report_dir: Path) -> set[str]:
 
 def _unstarted(got: dict, report_dir: Path, also: Sequence[Path] = ()) -> str:
     """ ", or one of the N cells ..." where the matrix's calls left fork cells
-    unstarted (a call's deadline), else "". Only the slices a folder has a
+    without a result (a call's deadline, or model files that were not on the
+    host: ``harness.equivalence.missing_input``), else "". Only the slices a
+    folder has a
     fork report of count: a slice added to the matrix after the run was
     never asked for. The first folder's slices are the whole matrix's
     (``harness.full_matrix.RUNS``); a later folder's are whatever slices it
@@ -218,7 +220,8 @@ def _unstarted(got: dict, report_dir: Path, also: Sequence[Path] = ()) -> str:
             except ValueError:  # not a slice of this harness
                 continue
     n = len(keys - set(got["fork"]))
-    return (f", or one of the {n} cells a call's deadline left unstarted"
+    return (f", or one of the {n} cells a run left without a result (a "
+            "call's deadline, or model files missing on the host)"
             if n else "")  # fmt: skip
 
 

@@ -226,7 +226,8 @@ def test_unstarted_counts_only_slices_the_matrix_ran(tmp_path: Path):
     (tmp_path / "v1-smoke-fork.json").write_text(json.dumps([done]))
     got = collect(tmp_path)
     assert _unstarted(got, tmp_path) == (
-        f", or one of the {len(smoke) - 1} cells a call's deadline left unstarted"
+        f", or one of the {len(smoke) - 1} cells a run left without a result "
+        "(a call's deadline, or model files missing on the host)"
     )
 
 
@@ -253,7 +254,7 @@ def test_later_folders_add_cells_and_override_the_same_cell(folder: Path):
     from harness.equivalence import slice_cells
 
     n = len(slice_cells("families"))  # the folder's two cells are not its own
-    assert f"or one of the {n} cells a call's deadline left unstarted" in md
+    assert f"or one of the {n} cells a run left without a result" in md
     readme = folder.parent / "README.md"
     readme.write_text(f"<!-- support-table BEGIN line=v9.9.9 dir=x -->\n{st.END}\n")
     assert st.main([str(folder), str(later), "--readme", str(readme)]) == 0
