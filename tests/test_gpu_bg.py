@@ -1,22 +1,20 @@
 """hsfork/gpu_bg.sh: background jobs that outlive the call starting them."""
 
 import os
-import subprocess
 import tarfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO, run_until_done
 
 
 def _sh(script: str, bg: Path) -> str:
-    return subprocess.run(
+    done = run_until_done(
         ["bash", "-c", f"source {REPO}/hsfork/gpu_bg.sh\n{script}"],
+        what=f"gpu_bg.sh: {script}",
         env={**os.environ, "HS_BG": str(bg)},
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,  # a hang guard only: every step waits on a condition
-    ).stdout
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def test_a_job_outlives_its_caller_in_a_session_of_its_own(tmp_path):
@@ -32,8 +30,10 @@ def test_a_job_outlives_its_caller_in_a_session_of_its_own(tmp_path):
         assert os.getsid(pid) == pid != os.getsid(0)
     finally:
         go.touch()  # the job ends whatever failed above
-    out = _sh(f"bg_wait $((SECONDS + 100)) j; bg_pack {tmp_path}/o j", bg)
-    assert "[bg] j done" in out and "[bg] packed j" in out
+    # bg_wait's bound only guards against a job that never ends
+    out = _sh(f"bg_wait $((SECONDS + 3600)) j; bg_pack {tmp_path}/o j", bg)
+    assert "[bg] j done" in out, f"the job did not end after its go file: {out}"
+    assert "[bg] packed j" in out
     with tarfile.open(tmp_path / "o" / "bg-j.tgz") as t:
         assert t.extractfile("j/r").read() == b"hi\n"
         assert "j.log" in t.getnames()

@@ -14,10 +14,9 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from conftest import REPO, run_until_done
 
 from hsfork import kit
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _sdist(path: Path, name: str, files: dict[str, str]) -> Path:
@@ -91,9 +90,9 @@ def _toy_kit(tmp_path: Path) -> Path:
 
 def _install(kit_dir: Path, target: Path):
     env = {**os.environ, "PYTHON": sys.executable, "PIP_NO_INDEX": "1"}
-    return subprocess.run(
+    return run_until_done(
         ["bash", str(REPO / "hsfork" / "install_kit.sh"), str(kit_dir), str(target)],
-        capture_output=True, text=True, env=env, timeout=600,
+        what="install_kit.sh building and installing the toy kit", env=env,
     )  # fmt: skip
 
 
