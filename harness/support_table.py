@@ -35,13 +35,13 @@ generator's output for the folders the marker names.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from unittest import mock
 
 from .full_matrix import collect
 
@@ -203,9 +203,8 @@ def _unstarted(got: dict, report_dir: Path, also: Sequence[Path] = ()) -> str:
     """ ", or one of the N cells ..." where the matrix's calls left fork cells
     without a result (a call's deadline, or model files that were not on the
     host: ``harness.equivalence.missing_input``), else "". Only the slices a
-    folder has a
-    fork report of count: a slice added to the matrix after the run was
-    never asked for. The first folder's slices are the whole matrix's
+    folder has a fork report of count: a slice added to the matrix after the
+    run was never asked for. The first folder's slices are the whole matrix's
     (``harness.full_matrix.RUNS``); a later folder's are whatever slices it
     ran."""
     from .equivalence import slice_cells
@@ -281,23 +280,10 @@ def table(
     ``line`` (``harness.compat``), whatever vLLM this process has."""
     report_dir = Path(report_dir)
     line = line or _line_of(report_dir)
-    with _as_line(line):
-        return _table(report_dir, line, base, also)
-
-
-@contextlib.contextmanager
-def _as_line(line: str):
     from . import compat
 
-    old = os.environ.get(compat.VERSION_ENV)
-    os.environ[compat.VERSION_ENV] = line
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[compat.VERSION_ENV]
-        else:
-            os.environ[compat.VERSION_ENV] = old
+    with mock.patch.dict(os.environ, {compat.VERSION_ENV: line}):
+        return _table(report_dir, line, base, also)
 
 
 def _table(report_dir: Path, line: str, base: Path | None, also: Sequence[Path]) -> str:
