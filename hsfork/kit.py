@@ -87,8 +87,7 @@ def make_kit(requirement: str, out: Path) -> dict:
     if len(sdists) != 1:
         raise ToolError(f"expected one sdist for {requirement}, got {sdists}")
     sdist = sdists[0]
-    requires = build_requires(sdist)
-    fetch = to_fetch(requires)
+    fetch = to_fetch(build_requires(sdist))
     if fetch:
         _pip(*_pip_target_args(), "-d", str(out / "build-deps"), *fetch)
     shutil.copy2(INSTALLER, out / "install_kit.sh")
@@ -96,7 +95,6 @@ def make_kit(requirement: str, out: Path) -> dict:
     manifest = {
         "requirement": requirement,
         "sdist": sdist.name,
-        "build_requires": requires,
         "files": {str(p.relative_to(out)): sha256_file(p) for p in files},
     }
     (out / "kit.json").write_text(json.dumps(manifest, indent=1) + "\n")

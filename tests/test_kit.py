@@ -60,7 +60,7 @@ def test_make_kit_records_every_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(kit, "_pip", fake_pip)
     m = kit.make_kit("p==1.0", tmp_path / "kit")
-    assert m["sdist"] == "p-1.0.tar.gz" and "torch>=2.10.0" in m["build_requires"]
+    assert m["sdist"] == "p-1.0.tar.gz"
     # the build requirements are fetched for the host (CPython 3.12 wheels)
     assert "--only-binary=:all:" in calls[1] and "3.12" in calls[1]
     assert "torch>=2.10.0" not in calls[1]
