@@ -697,6 +697,28 @@ def context_pass(model, dtype, model_dir, kv, items, seqs, owners, want=None, pa
     return dict(zip(keys, out, strict=True)), None
 
 
+def control_cell(cell: Cell) -> Cell:
+    """``cell``'s engine without its drafter: the same runner, compilation,
+    CUDA graphs, backends, dtype, cache mode, batch and requests. The
+    control floor's run (``harness.oracle``)."""
+    return replace(cell, drafter="none", k=0)
+
+
+def control_floor(cell: Cell, model_dir: str, waves, ref_tokens, ref_forced):
+    """The control floor of ``cell`` (``harness.oracle``): its control
+    (``control_cell``) decodes ``waves``, and each completion's drift from
+    the reference's teacher-forced pass (``ref_forced``, the logprob dicts
+    of ``ref_tokens``) counts up to its first token that differs from the
+    reference's."""
+    outs, _ = generate(control_cell(cell), model_dir, waves, logprobs=oracle.TOPK)
+    floor = oracle.Floor()
+    gen = oracle.output_lps(outs)
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    for lps, t, rt, forced in zip(gen, toks, ref_tokens, ref_forced, strict=True):
+        floor.add_prefix(lps, forced, t, rt)
+    return floor
+
+
 def prompt_lps(outs) -> list[tuple[list[int], list]]:
     """Per request: its prompt tokens after the first, and the
     ``{token: logprob}`` vLLM returned for each of them (``prompt_logprobs``;
@@ -976,6 +998,8 @@ def run_cells(
     # the candidates' own logprobs
     floors: dict[tuple, tuple] = {}
     cand_lps: dict[int, list] = {}
+    # id(row) -> its cell (the control floor's engine)
+    cell_of: dict[int, Cell] = {}
     # "plp" cells: rkey -> (prompt logprobs of the reference, of its floor
     # run); id(row) -> the candidates', and the key of the reference's run
     # in the candidate's prefill shapes (plp_shape_cells) in shape_plps
@@ -1102,6 +1126,7 @@ def run_cells(
             pending.setdefault(
                 (cell.model, cell.dtype, cell.kv_cache_dtype, rkey[9]), []
             ).append((row, prompts, cands, rkey))
+            cell_of[id(row)] = cell
             row["status"] = "pending"
         except Exception as e:  # noqa: BLE001
             _error_row(row, e)
@@ -1217,6 +1242,31 @@ def run_cells(
                     [q.logprobs for q in forced[n]],
                     seqs[n][1],
                 )
+        # greedy speculative cells still over the plain and context floors
+        # get the control floor: their own engine without the drafter
+        # (harness.oracle), run only for them
+        ref_forced = {
+            (key, i): [q.logprobs for q in pos]
+            for (kind, key, i), pos in zip(owners, forced, strict=True)
+            if kind == "ref"
+        }
+        ctl_floors: dict[int, oracle.Floor] = {}
+        ctl_errors: dict[int, str] = {}
+        for j in sorted(lazy):
+            row, _, _, rkey = items[j]
+            base = floor.merged(ctx_floors[j]) if j in ctx_floors else floor
+            if not drifts[j].judge(base, dtype)["drift_violations"]:
+                continue
+            _, ref_tokens, waves = refs[rkey]
+            try:
+                ctl_floors[j] = control_floor(
+                    cell_of[id(row)], model_dir, waves, ref_tokens,
+                    [ref_forced[rkey, i] for i in range(len(ref_tokens))],
+                )  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - the cell keeps its floor
+                ctl_errors[j] = "".join(
+                    traceback.format_exception_only(type(e), e)
+                ).strip()
         for j, ((row, *_, rkey), s, d) in enumerate(
             zip(items, summaries, drifts, strict=True)
         ):
@@ -1233,9 +1283,10 @@ def run_cells(
                 tie_margin=round(margin_c if c else margin, 4),
                 noise=round(worst_c if c else worst, 4),
             )
+            base = floor
             if j in ctx_floors:
                 ctx = ctx_floors[j]
-                row.update(d.judge(floor.merged(ctx), dtype))
+                base = floor.merged(ctx)
                 row.update(
                     drift_context_floor=oracle._r(ctx.token),
                     drift_context_topk_floor=oracle._r(ctx.topk),
@@ -1244,11 +1295,22 @@ def run_cells(
                 if j in lazy:
                     row["drift_context_floor_why"] = "over the plain floor"
             else:
-                row.update(d.judge(floor, dtype))
                 if ctx_error and row.get("sampling") and not c:
                     row["drift_context_floor_error"] = ctx_error
                 if lazy_error and j in lazy:
                     row["drift_context_floor_error"] = lazy_error
+            if j in ctl_floors:
+                ctl = ctl_floors[j]
+                base = base.merged(ctl)
+                row.update(
+                    drift_control_floor=oracle._r(ctl.token),
+                    drift_control_topk_floor=oracle._r(ctl.topk),
+                    drift_control_floor_positions=ctl.positions,
+                    drift_control_floor_why="over the plain and context floors",
+                )
+            elif j in ctl_errors:
+                row["drift_control_floor_error"] = ctl_errors[j]
+            row.update(d.judge(base, dtype))
             if row["drift_violations"] and oracle.enforced():
                 row["status"] = "diverged"
             if rkey in ref_plps and id(row) in cand_plps:

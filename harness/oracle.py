@@ -47,6 +47,17 @@ own, and the fixtures' top-k tail entries move under a change of prefill
 shape alone); the pass runs only for such cells, since the merged floor
 is never below the plain one (``drift_context_floor_why`` in the row).
 
+Control floor (greedy speculative cells still over both floors): the
+candidate's own engine without its drafter (``harness.equivalence.
+control_cell``: the same runner, compilation and CUDA graphs, backends,
+dtype, cache mode and batch) decodes the same prompts, and its drift from
+the reference's teacher-forced pass is added to that cell's floor
+(``Floor.add_prefix``). The reference is eager: a compiled engine whose
+fusions round other intermediates (an FP8 target quantizes the unrounded
+norm outputs where the eager one quantizes bf16-rounded ones) moves the
+fixture's deep top-k entries without any speculation. The control has no
+drafter, so a speculative bug moves the candidate, never its control.
+
 Threshold (``threshold``): ``factor * max(floor, eps(dtype))``, and never
 below the floor plus two rounding steps at the position's magnitude
 (``allowance``). The factor
@@ -242,6 +253,22 @@ class Floor:
     def add(self, gen: Sequence[LP], forced: Sequence[LP], tokens: Sequence[int]):
         if _complete(gen, forced, tokens):
             self._add(sequence_drift(gen, forced, tokens))
+
+    def add_prefix(self, gen: Sequence[LP], forced: Sequence[LP], gen_tokens,
+                   forced_tokens) -> None:  # fmt: skip
+        """A run against the teacher-forced pass of another run's tokens (the
+        control floor: a non-speculative run of the candidate's engine
+        against the reference's prefill), up to and including their first
+        differing token: both condition on the same prefix there, where
+        only the top-k must agree (as in ``add_pair``)."""
+        m = min(len(gen_tokens), len(forced_tokens), len(gen), len(forced))
+        n = 0
+        while n < m and gen_tokens[n] == forced_tokens[n]:
+            n += 1
+        self.add(gen[:n], forced[:n], list(gen_tokens[:n]))
+        if n < m and gen[n] is not None and forced[n] is not None:
+            top, changed, mag = _topk_drift(gen[n], forced[n], TOPK)
+            self._add([PositionDrift(0.0, top, changed, 0.0, mag)])
 
     def merged(self, other: Floor) -> Floor:
         """The floor of both samples together: each largest drift of

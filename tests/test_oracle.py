@@ -662,6 +662,89 @@ def test_a_sampled_cell_is_judged_with_the_context_floor_of_its_own_tokens(
     assert row["drift_context_topk_floor"] < 0.05 < row["drift_topk_max"]
 
 
+def _run_compiled(monkeypatch, tmp_path, spec_noise, ctl_noise, bump=None,
+                  ctl_fails=False, controls=None):  # fmt: skip
+    """One greedy cell whose engine is compiled (CUDA graphs) against the
+    eager reference: its speculative engine with ``spec_noise``, the same
+    engine without a drafter (the control) with ``ctl_noise``, every eager
+    engine (reference, floor, teacher-forced passes) 1e-3. ``controls``: a
+    list that gets one entry per control engine started."""
+    from harness import equivalence as eq
+    from harness import models
+
+    def engine(cell, d):
+        if cell.graphs == "eager":
+            return FakeLLM(cell, noise=1e-3)
+        if cell.drafter != "none":
+            return FakeLLM(cell, noise=spec_noise, bump=bump)
+        if controls is not None:
+            controls.append(cell)
+        if ctl_fails:
+            raise RuntimeError("no control engine here")
+        return FakeLLM(cell, noise=ctl_noise)
+
+    monkeypatch.setattr(eq, "_engine", engine)
+    monkeypatch.setattr(eq, "_shutdown", lambda llm: None)
+    monkeypatch.setattr(models, "write_model", lambda kind, out, seed=0: out)
+    fp = "full_and_piecewise"
+    cells = [eq.Cell("qwen3_5", "mtp", 3, 4, "default", "align", fp,
+                     async_sched=True, max_tokens=24)]  # fmt: skip
+    (row,) = eq.run_cells(cells, tmp_path, n_prompts=4, seed=0)
+    return row
+
+
+def test_a_compiled_cell_over_both_floors_gets_its_control_floor(monkeypatch, tmp_path):
+    """A compiled FP8 target with an MTP drafter drifted past the bar while
+    its control (the same engine, no drafter) drifted further from the
+    eager reference: the drift was the compiled target's, not
+    speculation's. A greedy speculative cell still over the plain and
+    context floors is judged again with the drift of its own engine
+    without the drafter; one within them starts no control. The control
+    has no drafter: a real change is not hidden by it."""
+    started: list = []
+    quiet = _run_compiled(monkeypatch, tmp_path, 1e-3, 0.05, controls=started)
+    assert quiet["status"] == "ok" and "drift_control_floor" not in quiet
+    assert started == []
+    noisy = _run_compiled(monkeypatch, tmp_path, 0.05, 0.05, controls=started)
+    # (drift only: this much noise can also flip a near-tie of the fake
+    # model, which the argmax oracle judges by its own margin)
+    assert noisy["drift_violations"] == 0, json.dumps(noisy)
+    assert noisy["drift_control_floor_why"] == "over the plain and context floors"
+    assert noisy["drift_control_floor_positions"] > 0
+    # the control: the candidate's engine without its drafter
+    (ctl,) = started
+    assert (ctl.drafter, ctl.k, ctl.runner, ctl.cache_mode, ctl.graphs,
+            ctl.async_sched, ctl.batch) == ("none", 0, "default", "align",
+                                            "full_and_piecewise", True, 4)  # fmt: skip
+    # the same drift where the control agrees with the reference
+    bad = _run_compiled(monkeypatch, tmp_path, 0.05, 1e-3)
+    assert bad["status"] == "diverged" and bad["drift_violations"] > 0
+    assert bad["drift_control_floor_why"] == "over the plain and context floors"
+    # a lowered third choice under the same compiled noise: still diverged
+    row = _run_compiled(monkeypatch, tmp_path, 0.05, 0.05, bump=(10, 0.5))
+    assert row["status"] == "diverged" and row["drift_violations"] > 0
+    assert row["drift_control_topk_floor"] < 0.5 < row["drift_topk_max"]
+
+
+def test_a_failed_control_leaves_the_floor_it_had(monkeypatch, tmp_path):
+    row = _run_compiled(monkeypatch, tmp_path, 0.05, 0.05, ctl_fails=True)
+    assert row["status"] == "diverged"
+    assert "no control engine" in row["drift_control_floor_error"]
+    assert "drift_control_floor" not in row
+
+
+def test_floor_add_prefix_stops_at_the_first_differing_token():
+    """The control's run against the reference's prefill counts while their
+    tokens agree, and the top-k alone at the first token that differs."""
+    ref = [{1: -0.1, 2: -3.0}, {3: -0.2, 4: -2.0}, {5: -0.1, 6: -4.0}]
+    gen = [{1: -0.1, 2: -3.0}, {4: -0.5, 3: -1.0}, {9: -9.0}]
+    f = oracle.Floor()
+    f.add_prefix(gen, ref, [1, 4, 9], [1, 3, 5])
+    # position 0 agrees (no drift), position 1 differs: its top-k only
+    assert f.positions == 2
+    assert f.token == 0.0 and f.topk == pytest.approx(1.5)
+
+
 def test_a_failed_context_pass_leaves_the_plain_floor(monkeypatch, tmp_path):
     row = _run_sampled(monkeypatch, tmp_path, spec_noise=0.05, ctx_noise=0.05,
                        ctx_fails=True)  # fmt: skip
