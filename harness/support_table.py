@@ -137,6 +137,23 @@ INCONCLUSIVE = (
 )
 
 
+# the footnotes of a cell diverged by drift alone (no token differs): a
+# speculative one judged without its control floor (harness.oracle; the
+# oracle runs it for such cells since), and a drafter "none" control
+DRIFT_ONLY = (
+    "drift only: no token differs from the non-speculative reference, and "
+    "one or more top-k log-probabilities are over the drift bar; judged "
+    "before the oracle ran such a cell's own engine without the drafter "
+    "(its control floor), which tells the target's drift under that "
+    "engine from speculation's"
+)
+CONTROL_DRIFT = (
+    "the target without a drafter under the engine of the cells it "
+    "controls (compilation, FP8), against the eager reference: no token "
+    "differs, and its drift is not speculation's"
+)
+
+
 def reason(cell: dict) -> str:
     """A one-sentence reason from a refused or failed cell's error text:
     pydantic's ``Value error, ...`` message, else the last ``XError: ...``
@@ -316,6 +333,13 @@ def _table(report_dir: Path, line: str, base: Path | None, also: Sequence[Path])
             why = reason(c)
         elif c["status"] == "inconclusive":
             why = INCONCLUSIVE
+        elif c["status"] == "diverged" and not c.get("divergences"):
+            if c["drafter"] == "none":
+                why = CONTROL_DRIFT
+            elif "drift_control_floor_why" not in c:
+                why = DRIFT_ONLY
+            else:
+                return ""
         else:
             return ""
         return str(notes.setdefault(why, len(notes) + 1)).translate(SUPER)

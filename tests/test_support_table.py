@@ -383,3 +383,29 @@ def test_a_cell_whose_margin_takes_in_most_positions_is_inconclusive(tmp_path):
     notes = [x for x in md.splitlines() if x.startswith("- ")]
     assert notes == [f"- ¹ {st.INCONCLUSIVE}."]
     assert "(1 identical, 0 diverged, 1 inconclusive, 0 errored, 0 refused)" in md
+
+
+def test_a_cell_diverged_by_drift_alone_says_so(tmp_path):
+    """A diverged cell where no token differs gets a footnote: a speculative
+    one judged without its control floor says that the control decides; a
+    drafter "none" control says its drift is not speculation's; one judged
+    with its control floor, or with flipped tokens, gets none."""
+    d = tmp_path / "v9.9.9" / "full-matrix-h100-2030-01-04"
+    d.mkdir(parents=True)
+    fp = {"graphs": "full_and_piecewise", "divergences": 0}
+    fork = [
+        cell("qwen3_5", "mtp", "diverged", **fp),
+        cell("qwen3_5", "mtp", "diverged", cache_mode="align", **fp,
+             drift_control_floor_why="over the plain and context floors"),
+        cell("qwen3_5", "none", "diverged", **fp),
+        cell("qwen3_5", "ngram", "diverged"),
+    ]  # fmt: skip
+    (d / "a-fork.json").write_text(json.dumps(fork))
+    md = st.table(d, base=d.parent)
+    t = parse(md)
+    q = "Qwen3.5 (GDN), random weights"
+    assert t[q, "MTP"] == "V1: none 1 **diverged**¹; align 1 **diverged**"
+    assert t[q, "no drafter (control)"] == "V1: none 1 **diverged**²; align not run"
+    assert t[q, "n-gram"] == "V1: none 1 **diverged**; align not run"
+    notes = [x for x in md.splitlines() if x.startswith("- ")]
+    assert notes == [f"- ¹ {st.DRIFT_ONLY}.", f"- ² {st.CONTROL_DRIFT}."]
