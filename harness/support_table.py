@@ -216,29 +216,56 @@ def _ran(report_dir: Path) -> set[str]:
     return {f.name.partition("-fork")[0] for f in report_dir.glob("*-fork*.json")}
 
 
-def _unstarted(got: dict, report_dir: Path, also: Sequence[Path] = ()) -> str:
-    """ ", or one of the N cells ..." where the matrix's calls left fork cells
-    without a result (a call's deadline, or model files that were not on the
-    host: ``harness.equivalence.missing_input``), else "". Only the slices a
-    folder has a fork report of count: a slice added to the matrix after the
-    run was never asked for. The first folder's slices are the whole matrix's
-    (``harness.full_matrix.RUNS``); a later folder's are whatever slices it
-    ran."""
+def _wanted(report_dir: Path, also: Sequence[Path] = ()) -> dict:
+    """Cell key -> (slice, cell) of every cell the folders' slices hold:
+    the first folder's slices are the whole matrix's
+    (``harness.full_matrix.RUNS``), a later folder's whatever slices it ran
+    (as the line builds them now)."""
     from .equivalence import slice_cells
     from .full_matrix import _key, expected_cells
 
     ran = _ran(report_dir)
-    keys = {_key(c) for s, c in expected_cells() if s in ran}
+    wanted = {_key(c): (s, c) for s, c in expected_cells() if s in ran}
     for d in also:
-        for s in _ran(d):
+        for s in sorted(_ran(d)):
             try:
-                keys |= {_key(c.key()) for c in slice_cells(s)}
+                cells = slice_cells(s)
             except ValueError:  # not a slice of this harness
                 continue
-    n = len(keys - set(got["fork"]))
+            wanted.update({_key(c.key()): (s, c.key()) for c in cells})
+    return wanted
+
+
+def not_run(got: dict, report_dir: Path, also: Sequence[Path] = ()) -> list:
+    """(slice, cell) of each fork cell the folders' slices hold that no
+    report gives a result: left by a call's deadline, or by model files
+    that were not on the host (``harness.equivalence.missing_input``).
+    Only the slices a folder has a fork report of count: a slice added to
+    the matrix after the run was never asked for."""
+    wanted = _wanted(report_dir, also)
+    return [wanted[k] for k in sorted(set(wanted) - set(got["fork"]), key=str)]
+
+
+def _unstarted(got: dict, report_dir: Path, also: Sequence[Path] = ()) -> str:
+    """ ", or one of the N cells ..." where the matrix's calls left fork cells
+    without a result (``not_run``), else ""."""
+    n = len(not_run(got, report_dir, also))
     return (f", or one of the {n} cells a run left without a result (a "
             "call's deadline, or model files missing on the host)"
             if n else "")  # fmt: skip
+
+
+def not_run_lines(report_dir: Path, line: str, also: Sequence[Path] = ()) -> list:
+    """One JSON line per fork cell ``not_run`` finds, with its slice: what a
+    GPU run still owes the table (``--not-run``)."""
+    import json
+
+    from . import compat
+
+    with mock.patch.dict(os.environ, {compat.VERSION_ENV: line}):
+        got, _ = gather(report_dir, [Path(d) for d in also])
+        cells = not_run(got, report_dir, [Path(d) for d in also])
+    return [json.dumps({"slice": s, **c}) for s, c in cells]
 
 
 def _slice_keys(name: str) -> set | None:
@@ -534,8 +561,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="with --readme: exit "
                     "1 if the region is not the generator's output for the folder "
                     "its marker names; change nothing")  # fmt: skip
+    ap.add_argument("--not-run", action="store_true", help="print the fork "
+                    "cells the folders (or, with --readme, its marker's) leave "
+                    "without a result, one JSON line each, with its slice")  # fmt: skip
     a = ap.parse_args(argv)
     line = a.line or (_line_of(Path(a.dir[0])) if a.dir else "v0.26.0")
+    if a.not_run:
+        if a.dir:
+            dirs = [Path(x) for x in a.dir]
+        elif a.readme:
+            root = Path(a.readme).parent
+            dirs = [root / x for m, _ in regions(Path(a.readme).read_text())
+                    if m.group(1) == line for x in marker_dirs(m)]  # fmt: skip
+        else:
+            dirs = [newest(line)]
+        if not dirs:
+            raise SystemExit(f"no support-table region for line {line}")
+        for x in not_run_lines(dirs[0], line, dirs[1:]):
+            print(x)
+        return 0
     if not a.readme:
         d, *also = [Path(x) for x in a.dir] or [newest(line)]
         sys.stdout.write(table(d, line, Path.cwd(), also))

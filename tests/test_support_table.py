@@ -231,6 +231,33 @@ def test_unstarted_counts_only_slices_the_matrix_ran(tmp_path: Path):
     )
 
 
+def test_not_run_lists_each_cell_left_without_a_result(tmp_path: Path, capsys):
+    """``--not-run`` prints each fork cell a folder's slices hold and no
+    report gives a result, with its slice: the cells a later folder ran
+    drop out, the count matches the caption's."""
+    from harness.equivalence import slice_cells
+    from harness.support_table import main
+
+    smoke = slice_cells("v1-smoke")
+
+    def done(c):
+        return {**c.key(), "status": "ok", "tokens": 1, "divergences": 0, "ties": 0}
+
+    first = tmp_path / "v0.26.0" / "full-matrix-h100-2030-01-05"
+    later = tmp_path / "v0.26.0" / "smoke-rerun-h100-2030-01-06"
+    first.mkdir(parents=True)
+    later.mkdir(parents=True)
+    (first / "v1-smoke-fork.json").write_text(json.dumps([done(smoke[0])]))
+    (later / "v1-smoke-fork.json").write_text(json.dumps([done(smoke[1])]))
+    assert main(["--not-run", "--line", "v0.26.0", str(first), str(later)]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert len(rows) == len(smoke) - 2
+    assert {r["slice"] for r in rows} == {"v1-smoke"}
+    left = [{k: v for k, v in r.items() if k != "slice"} for r in rows]
+    assert smoke[0].key() not in left and smoke[1].key() not in left
+    assert smoke[2].key() in left
+
+
 def test_later_folders_add_cells_and_override_the_same_cell(folder: Path):
     """A folder of slices run after the whole matrix adds its cells; a cell
     it ran again takes its result there; the caption names it; the README
