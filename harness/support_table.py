@@ -559,8 +559,9 @@ def main(argv: list[str] | None = None) -> int:
                     "else v0.26.0)")  # fmt: skip
     ap.add_argument("--readme", help="rewrite this file's marked region")
     ap.add_argument("--check", action="store_true", help="with --readme: exit "
-                    "1 if the region is not the generator's output for the folder "
-                    "its marker names; change nothing")  # fmt: skip
+                    "1 if the region (without --line: any region) is not the "
+                    "generator's output for the folders its marker names; change "
+                    "nothing")  # fmt: skip
     ap.add_argument("--not-run", action="store_true", help="print the fork "
                     "cells the folders (or, with --readme, its marker's) leave "
                     "without a result, one JSON line each, with its slice")  # fmt: skip
@@ -587,13 +588,19 @@ def main(argv: list[str] | None = None) -> int:
     readme = Path(a.readme)
     old = readme.read_text()
     if a.check:
-        new = rewrite(old, line, [Path(x) for x in a.dir] or None, readme.parent)
-        if new != old:
-            sys.stderr.write(f"{readme}: the support table of {line} is stale; "
-                             f"run python -m harness support-table --line {line} "
-                             f"--readme {readme}\n")  # fmt: skip
-            return 1
-        return 0
+        # without --line and folders: every line's region
+        lines = [line]
+        if not a.line and not a.dir:
+            lines = [m.group(1) for m, _ in regions(old)]
+        stale = 0
+        for x in lines:
+            new = rewrite(old, x, [Path(d) for d in a.dir] or None, readme.parent)
+            if new != old:
+                sys.stderr.write(f"{readme}: the support table of {x} is stale; "
+                                 f"run python -m harness support-table --line {x} "
+                                 f"--readme {readme}\n")  # fmt: skip
+                stale = 1
+        return stale
     dirs = [Path(x) for x in a.dir] or default_dirs(old, line)
     new = rewrite(old, line, dirs, readme.parent)
     readme.write_text(new)

@@ -205,11 +205,20 @@ def test_readme_region_is_the_newest_matrix():
         assert not any("/full-matrix-" in d for d in also)
 
 
-def test_python_m_harness_support_table_check():
+def test_python_m_harness_support_table_check(tmp_path: Path, capsys):
+    """``--check`` without ``--line`` checks every line's region: a stale
+    v0.33.0 region failed it only under ``--line v0.33.0`` before."""
     from harness.__main__ import main
 
-    readme = str(REPO / "README.md")
-    assert main(["support-table", "--readme", readme, "--check"]) == 0
+    readme = REPO / "README.md"
+    assert main(["support-table", "--readme", str(readme), "--check"]) == 0
+    text = readme.read_text()
+    region = text.index("<!-- support-table BEGIN line=v0.33.0")
+    at = text.index("| target |", region)
+    stale = tmp_path / "README.md"
+    stale.write_text(text[:at] + "| target | stale |" + text[at + 10 :])
+    assert main(["support-table", "--readme", str(stale), "--check"]) == 1
+    assert "support table of v0.33.0 is stale" in capsys.readouterr().err
 
 
 def test_unstarted_counts_only_slices_the_matrix_ran(tmp_path: Path):
