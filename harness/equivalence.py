@@ -1244,7 +1244,9 @@ def run_cells(
                 )
         # greedy speculative cells still over the plain and context floors
         # get the control floor: their own engine without the drafter
-        # (harness.oracle), run only for them
+        # (harness.oracle), run only for them, and only where no token
+        # flipped (a flip is diverged whatever the floor: an upstream run
+        # would start one more engine per diverged cell for nothing)
         ref_forced = {
             (key, i): [q.logprobs for q in pos]
             for (kind, key, i), pos in zip(owners, forced, strict=True)
@@ -1255,7 +1257,10 @@ def run_cells(
         for j in sorted(lazy):
             row, _, _, rkey = items[j]
             base = floor.merged(ctx_floors[j]) if j in ctx_floors else floor
-            if not drifts[j].judge(base, dtype)["drift_violations"]:
+            if (
+                summaries[j].divergences
+                or not drifts[j].judge(base, dtype)["drift_violations"]
+            ):
                 continue
             _, ref_tokens, waves = refs[rkey]
             try:

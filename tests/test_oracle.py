@@ -663,7 +663,7 @@ def test_a_sampled_cell_is_judged_with_the_context_floor_of_its_own_tokens(
 
 
 def _run_compiled(monkeypatch, tmp_path, spec_noise, ctl_noise, bump=None,
-                  ctl_fails=False, controls=None):  # fmt: skip
+                  ctl_fails=False, controls=None, flip=None):  # fmt: skip
     """One greedy cell whose engine is compiled (CUDA graphs) against the
     eager reference: its speculative engine with ``spec_noise``, the same
     engine without a drafter (the control) with ``ctl_noise``, every eager
@@ -676,7 +676,7 @@ def _run_compiled(monkeypatch, tmp_path, spec_noise, ctl_noise, bump=None,
         if cell.graphs == "eager":
             return FakeLLM(cell, noise=1e-3)
         if cell.drafter != "none":
-            return FakeLLM(cell, noise=spec_noise, bump=bump)
+            return FakeLLM(cell, noise=spec_noise, bump=bump, flip=flip)
         if controls is not None:
             controls.append(cell)
         if ctl_fails:
@@ -702,10 +702,10 @@ def test_a_compiled_cell_over_both_floors_gets_its_control_floor(monkeypatch, tm
     without the drafter; one within them starts no control. The control
     has no drafter: a real change is not hidden by it."""
     started: list = []
-    quiet = _run_compiled(monkeypatch, tmp_path, 1e-3, 0.05, controls=started)
+    quiet = _run_compiled(monkeypatch, tmp_path, 1e-3, 0.01, controls=started)
     assert quiet["status"] == "ok" and "drift_control_floor" not in quiet
     assert started == []
-    noisy = _run_compiled(monkeypatch, tmp_path, 0.05, 0.05, controls=started)
+    noisy = _run_compiled(monkeypatch, tmp_path, 0.01, 0.01, controls=started)
     # (drift only: this much noise can also flip a near-tie of the fake
     # model, which the argmax oracle judges by its own margin)
     assert noisy["drift_violations"] == 0, json.dumps(noisy)
@@ -717,17 +717,22 @@ def test_a_compiled_cell_over_both_floors_gets_its_control_floor(monkeypatch, tm
             ctl.async_sched, ctl.batch) == ("none", 0, "default", "align",
                                             "full_and_piecewise", True, 4)  # fmt: skip
     # the same drift where the control agrees with the reference
-    bad = _run_compiled(monkeypatch, tmp_path, 0.05, 1e-3)
+    bad = _run_compiled(monkeypatch, tmp_path, 0.01, 1e-3)
     assert bad["status"] == "diverged" and bad["drift_violations"] > 0
     assert bad["drift_control_floor_why"] == "over the plain and context floors"
     # a lowered third choice under the same compiled noise: still diverged
-    row = _run_compiled(monkeypatch, tmp_path, 0.05, 0.05, bump=(10, 0.5))
+    row = _run_compiled(monkeypatch, tmp_path, 0.01, 0.01, bump=(10, 0.5))
     assert row["status"] == "diverged" and row["drift_violations"] > 0
     assert row["drift_control_topk_floor"] < 0.5 < row["drift_topk_max"]
+    # a flipped token is diverged whatever the floor: no control is started
+    started.clear()
+    row = _run_compiled(monkeypatch, tmp_path, 0.01, 0.01, flip=3, controls=started)
+    assert row["status"] == "diverged" and row["divergences"] > 0
+    assert started == [] and "drift_control_floor" not in row
 
 
 def test_a_failed_control_leaves_the_floor_it_had(monkeypatch, tmp_path):
-    row = _run_compiled(monkeypatch, tmp_path, 0.05, 0.05, ctl_fails=True)
+    row = _run_compiled(monkeypatch, tmp_path, 0.01, 0.01, ctl_fails=True)
     assert row["status"] == "diverged"
     assert "no control engine" in row["drift_control_floor_error"]
     assert "drift_control_floor" not in row
