@@ -43,6 +43,7 @@ from .compare import (
 )
 from .drafter import LOG_ENV, SCRIPT_ENV
 from .fastapply_task import make_eval_set
+from .fuzz_pool import POOL_BASE
 from .models import FAMILY_SPEC, FIRST_SPECIAL_ID, VOCAB
 
 # the trained fast-apply fixture (``harness.fastapply``; its MTP head is
@@ -81,6 +82,14 @@ os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 # admits a waiting request only where its prompt fits, so short requests in
 # a small pool just wait their turn)
 PREEMPT_TOKENS = 288
+# The pool slack of the n-gram k=8 preemption cells (the others take 2): a
+# request holds 1 + k recurrent-state blocks per Mamba group for its whole
+# life (vLLM's MambaManager reserves num_speculative_blocks = k), so with
+# the least pool plus 2 only two requests are admitted at k=8, and two
+# full-length requests still fit: the engine never preempted. 8 blocks admit
+# a third, and three outgrow the pool. tests/test_preempt_pool.py drives
+# vLLM's scheduler over each preemption cell's pool.
+PREEMPT_SLACK_K8 = 8
 
 
 @dataclass(frozen=True)
@@ -1969,8 +1978,9 @@ def _v1_matrix(part: str) -> list[Cell]:
         m = "qwen3_5" if part == "q-preempt" else "nemotron_h"
         return [
             Cell(m, "scripted:random", 4, 16, preempt=True, max_tokens=PREEMPT_TOKENS),
-            Cell(m, "ngram", 8, 16, preempt=True, max_tokens=PREEMPT_TOKENS),
-        ]
+            Cell(m, "ngram", 8, 16, preempt=True, max_tokens=PREEMPT_TOKENS,
+                 extra={"num_gpu_blocks_override": POOL_BASE + PREEMPT_SLACK_K8}),
+        ]  # fmt: skip
     if part == "n-drafters":
         # NemotronH's MTP head (harness.models: one attention layer)
         m = "nemotron_h"
