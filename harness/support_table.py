@@ -281,15 +281,16 @@ def _slice_keys(name: str) -> set | None:
 
 
 def retire(got: dict) -> int:
-    """Drop the errored cells that their slice no longer holds (the slice
-    was redefined after they ran, e.g. its model changed so that a kernel
-    accepts it); return how many. A cell that ran to a verdict is never
+    """Drop the errored and refused cells that their slice no longer holds
+    (the slice was redefined after they ran, e.g. its model changed so that
+    a kernel accepts it, or its KV pool changed so that the engine starts);
+    return how many. A cell that ran to a verdict on its tokens is never
     dropped: a divergence stays in the table until the same cell passes."""
     keys: dict[str, set | None] = {}
     n = 0
     for variant, cells in got.items():
         for key, (c, fname) in list(cells.items()):
-            if c.get("status") != "error":
+            if c.get("status") not in ("error", "rejected"):
                 continue
             name = re.split(r"-(?:fork|upstream)", fname)[0]
             if name not in keys:
@@ -303,8 +304,9 @@ def retire(got: dict) -> int:
 def gather(report_dir: Path, also: Sequence[Path] = ()) -> tuple[dict, int]:
     """``harness.full_matrix.collect`` of ``report_dir`` and then of each
     folder of ``also`` in turn: a cell a later folder also ran takes its
-    result there. Errored cells their slice no longer holds are dropped
-    (``retire``); returns the cells and how many fork cells were dropped."""
+    result there. Errored and refused cells their slice no longer holds are
+    dropped (``retire``); returns the cells and how many fork cells were
+    dropped."""
     got = collect(Path(report_dir))
     for d in also:
         for variant, cells in collect(Path(d)).items():
@@ -464,7 +466,7 @@ def _table(report_dir: Path, line: str, base: Path | None, also: Sequence[Path])
         + ("; tensor-parallel cells in the TP column, by drafter" if tps else "")
         + "; refused = rejected at config time; not run = no such cell in the "
         "matrix" + _unstarted(got, report_dir, also) + "."
-        + (f" Left out: {retired} errored cells of slices redefined "
+        + (f" Left out: {retired} errored or refused cells of slices redefined "
            "since they ran (the slice no longer holds them)."
            if retired else "")
     )  # fmt: skip

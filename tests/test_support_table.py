@@ -326,16 +326,22 @@ def test_errored_cells_their_slice_no_longer_holds_are_left_out(folder: Path):
             "error": "RuntimeError: retired"}  # fmt: skip
     diverged = {**gone, "status": "diverged", "divergences": 2,
                 "runner": "mrv2"}  # fmt: skip
+    # a refusal of a cell the slice no longer holds (a harness pool the
+    # engine refused, since resized) is left out too
+    refused = {**gone, "status": "rejected", "runner": "default",
+               "error": "ValueError: To serve one request: retired"}  # fmt: skip
     (later / "flashinfer-fork-1-of-2.json").write_text(
-        json.dumps([held, gone, diverged])
+        json.dumps([held, gone, diverged, refused])
     )
     got, retired = st.gather(folder, [later])
-    assert retired == 1
+    assert retired == 2
     statuses = sorted(c["status"] for c, f in got["fork"].values()
                       if f.startswith("flashinfer"))  # fmt: skip
     assert statuses == ["diverged", "error"]
     md = st.table(folder, base=folder.parent, also=[later])
-    assert "Left out: 1 errored cells of slices redefined since they ran" in md
+    assert (
+        "Left out: 2 errored or refused cells of slices redefined since they ran" in md
+    )
     notes = [x for x in md.splitlines() if x.startswith("- ")]
     assert any("still held" in x for x in notes)
     assert not any("retired" in x for x in notes)
@@ -355,7 +361,7 @@ def test_slices_are_read_as_the_tables_line_builds_them(folder: Path, monkeypatc
     row = {**old.key(), "status": "error", "error": "AssertionError: budget",
            "tokens": 0, "divergences": 0, "ties": 0}  # fmt: skip
     (later / "flashinfer-fork-1-of-2.json").write_text(json.dumps([row]))
-    left_out = "Left out: 1 errored cells of slices redefined since they ran"
+    left_out = "Left out: 1 errored or refused cells of slices redefined since they ran"
     assert left_out in st.table(folder, "v0.26.0", folder.parent, [later])
     assert left_out not in st.table(folder, "v0.33.0", folder.parent, [later])
     assert os.environ["HSFORK_VLLM_VERSION"] == "0.33.0"  # restored
