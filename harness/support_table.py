@@ -365,7 +365,8 @@ def _table(report_dir: Path, line: str, base: Path | None, also: Sequence[Path])
         elif c["status"] == "diverged" and not c.get("divergences"):
             if c["drafter"] == "none":
                 why = CONTROL_DRIFT
-            elif "drift_control_floor_why" not in c:
+            elif not any(k in c for k in ("drift_control_floor_why",
+                                          "drift_control_floor_error")):  # fmt: skip
                 why = DRIFT_ONLY
             else:
                 return ""

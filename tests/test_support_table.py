@@ -431,7 +431,8 @@ def test_a_cell_diverged_by_drift_alone_says_so(tmp_path):
     """A diverged cell where no token differs gets a footnote: a speculative
     one judged without its control floor says that the control decides; a
     drafter "none" control says its drift is not speculation's; one judged
-    with its control floor, or with flipped tokens, gets none."""
+    with its control floor (or whose control failed to run), or with
+    flipped tokens, gets none."""
     d = tmp_path / "v9.9.9" / "full-matrix-h100-2030-01-04"
     d.mkdir(parents=True)
     fp = {"graphs": "full_and_piecewise", "divergences": 0}
@@ -441,13 +442,19 @@ def test_a_cell_diverged_by_drift_alone_says_so(tmp_path):
              drift_control_floor_why="over the plain and context floors"),
         cell("qwen3_5", "none", "diverged", **fp),
         cell("qwen3_5", "ngram", "diverged"),
+        cell("qwen3_5", "mtp", "diverged", runner="mrv2", **fp,
+             drift_control_floor_error="RuntimeError: no engine"),
     ]  # fmt: skip
     (d / "a-fork.json").write_text(json.dumps(fork))
     md = st.table(d, base=d.parent)
     t = parse(md)
     q = "Qwen3.5 (GDN), random weights"
-    assert t[q, "MTP"] == "V1: none 1 **diverged**¹; align 1 **diverged**"
-    assert t[q, "no drafter (control)"] == "V1: none 1 **diverged**²; align not run"
-    assert t[q, "n-gram"] == "V1: none 1 **diverged**; align not run"
+    assert t[q, "MTP"] == (
+        "V1: none 1 **diverged**¹; align 1 **diverged**<br>"
+        "MRV2: none 1 **diverged**; align not run"
+    )
+    no_mrv2 = "; align not run<br>MRV2: not run"
+    assert t[q, "no drafter (control)"] == "V1: none 1 **diverged**²" + no_mrv2
+    assert t[q, "n-gram"] == "V1: none 1 **diverged**" + no_mrv2
     notes = [x for x in md.splitlines() if x.startswith("- ")]
     assert notes == [f"- ¹ {st.DRIFT_ONLY}.", f"- ² {st.CONTROL_DRIFT}."]
