@@ -706,6 +706,16 @@ def context_pass(model, dtype, model_dir, kv, items, seqs, owners, want=None, pa
     return dict(zip(keys, out, strict=True)), None
 
 
+def _floor_fields(name: str, floor: oracle.Floor) -> dict:
+    """A cell's report fields of one more floor (``context``, ``control``):
+    its largest token and top-k drifts and how many positions it saw."""
+    return {
+        f"drift_{name}_floor": oracle._r(floor.token),
+        f"drift_{name}_topk_floor": oracle._r(floor.topk),
+        f"drift_{name}_floor_positions": floor.positions,
+    }
+
+
 def control_cell(cell: Cell) -> Cell:
     """``cell``'s engine without its drafter: the same runner, compilation,
     CUDA graphs, backends, dtype, cache mode, batch and requests. The
@@ -1301,11 +1311,7 @@ def run_cells(
             if j in ctx_floors:
                 ctx = ctx_floors[j]
                 base = floor.merged(ctx)
-                row.update(
-                    drift_context_floor=oracle._r(ctx.token),
-                    drift_context_topk_floor=oracle._r(ctx.topk),
-                    drift_context_floor_positions=ctx.positions,
-                )
+                row.update(_floor_fields("context", ctx))
                 if j in lazy:
                     row["drift_context_floor_why"] = "over the plain floor"
             else:
@@ -1316,12 +1322,8 @@ def run_cells(
             if j in ctl_floors:
                 ctl = ctl_floors[j]
                 base = base.merged(ctl)
-                row.update(
-                    drift_control_floor=oracle._r(ctl.token),
-                    drift_control_topk_floor=oracle._r(ctl.topk),
-                    drift_control_floor_positions=ctl.positions,
-                    drift_control_floor_why="over the plain and context floors",
-                )
+                row.update(_floor_fields("control", ctl))
+                row["drift_control_floor_why"] = "over the plain and context floors"
             elif j in ctl_errors:
                 row["drift_control_floor_error"] = ctl_errors[j]
             row.update(d.judge(base, dtype))

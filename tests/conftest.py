@@ -62,6 +62,26 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def in_cpu_testbed(path: str | Path, func: str):
+    """``func()`` of the test module at ``path``, run in a subprocess on
+    vLLM's CPU platform (``HSFORK_CPU_TESTBED``), its result passed back as
+    JSON: for tests that build vLLM configs in a process of their own."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import runpy, json\n"
+        f"ns = runpy.run_path({str(path)!r})\n"
+        f"print('RESULT', json.dumps(ns[{func!r}]()))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO,
+                       env=subprocess_env(HSFORK_CPU_TESTBED="1"),
+                       capture_output=True, text=True)  # fmt: skip
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    return json.loads(p.stdout.split("RESULT ", 1)[1])
+
+
 # A guard against hangs only, never a performance budget: a dry run that
 # takes minutes on an idle machine may take many times that on a busy one.
 HANG_GUARD_S = 3600.0

@@ -596,16 +596,9 @@ def test_pool_hook_on_vllms_own_get_kv_cache_configs():
     the final pool adds one block per state group and sequence and the
     slack. In a subprocess on vLLM's CPU platform (HSFORK_CPU_TESTBED)."""
     pytest.importorskip("vllm")
-    code = (
-        "import runpy, json\n"
-        f"ns = runpy.run_path({str(Path(__file__))!r})\n"
-        "print('POOL', json.dumps(ns['_pool_check']()))\n"
-    )
-    env = {**os.environ, "HSFORK_CPU_TESTBED": "1", "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
-                       capture_output=True, text=True)  # fmt: skip
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    log = json.loads(p.stdout.split("POOL ", 1)[1])
+    from conftest import in_cpu_testbed
+
+    log = in_cpu_testbed(__file__, "_pool_check")
     assert log["mamba_groups"] == 3 and log["max_num_seqs"] == 4
 
 

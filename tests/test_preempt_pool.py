@@ -24,9 +24,6 @@ scheduler the same way with the hybrid groups and the harness's pool.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -44,16 +41,9 @@ def test_every_preemption_cell_preempts_in_vllms_scheduler():
     growing by PREEMPT_TOKENS) and no drafts (the drafts a step verifies
     come on top of its tokens: they only make a pool tighter)."""
     pytest.importorskip("vllm")
-    code = (
-        "import runpy, json\n"
-        f"ns = runpy.run_path({str(Path(__file__))!r})\n"
-        "print('PREEMPT', json.dumps(ns['_preemptions']()))\n"
-    )
-    env = {**os.environ, "HSFORK_CPU_TESTBED": "1", "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
-                       capture_output=True, text=True)  # fmt: skip
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    rows = json.loads(p.stdout.split("PREEMPT ", 1)[1])
+    from conftest import in_cpu_testbed
+
+    rows = in_cpu_testbed(__file__, "_preemptions")
     assert {(r["model"], r["drafter"]) for r in rows} == {
         (m, d) for m in ("qwen3_5", "nemotron_h") for d in ("scripted:random", "ngram")
     }
