@@ -171,14 +171,40 @@ def fake_engines(monkeypatch, generate, forced=greedy_forced) -> None:
     )
 
 
-def free_port() -> int:
-    """A free local port (below 64001, so that a few consecutive ones after
-    it exist)."""
+def free_port(span: int = 8) -> int:
+    """A local port whose next ``span - 1`` ports are free too, outside the
+    kernel's ephemeral range: the servers a test starts at port, port + 1,
+    ... (``serving.servers.launch`` takes the next free one) are then not
+    raced by the local ports of outgoing connections, which the kernel
+    takes from that range. A soak test's candidate once waited for its
+    reference at port + 1 while a connection held that port, and the
+    reference started at port + 2."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return min(s.getsockname()[1], 64000)
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        lo, hi = (int(x) for x in text.split()[:2])
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999
+    ranges = [(10000, lo - span), (hi + 1, 65536 - span)]
+    ranges = [(a, b) for a, b in ranges if b - a > 100]
+    rng = random.Random()
+    for _ in range(1000):
+        a, b = rng.choice(ranges)
+        port = rng.randrange(a, b)
+        socks = []
+        try:
+            for p in range(port, port + span):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {span} free ports outside the ephemeral range")
 
 
 def git_env() -> dict[str, str]:
