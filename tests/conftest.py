@@ -67,7 +67,6 @@ def in_cpu_testbed(path: str | Path, func: str):
     vLLM's CPU platform (``HSFORK_CPU_TESTBED``), its result passed back as
     JSON: for tests that build vLLM configs in a process of their own."""
     import json
-    import subprocess
     import sys
 
     code = (
@@ -75,9 +74,9 @@ def in_cpu_testbed(path: str | Path, func: str):
         f"ns = runpy.run_path({str(path)!r})\n"
         f"print('RESULT', json.dumps(ns[{func!r}]()))\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO,
-                       env=subprocess_env(HSFORK_CPU_TESTBED="1"),
-                       capture_output=True, text=True)  # fmt: skip
+    p = run_until_done([sys.executable, "-c", code], cwd=REPO,
+                       what=f"{func} of {Path(path).name} on the CPU testbed",
+                       env=subprocess_env(HSFORK_CPU_TESTBED="1"))  # fmt: skip
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     return json.loads(p.stdout.split("RESULT ", 1)[1])
 
