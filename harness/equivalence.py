@@ -993,6 +993,21 @@ def _error_row(row: dict, e: BaseException) -> None:
         row["traceback"] = traceback.format_exc()[-4000:]
 
 
+def reference_key(cell: Cell, n_prompts: int) -> tuple:
+    """What a cell shares its non-speculative reference by: cells with the
+    same key are judged against one reference run (``run_cells`` builds it
+    once per process). The key: model, dtype, prompts (how many, which),
+    answer length, waves (align mode's second wave), KV cache dtype,
+    request features and ``reference_parallel``."""
+    n = cell.prompts[0] if cell.prompts else max(n_prompts, cell.batch)
+    two_waves = cell.cache_mode == "align"
+    n_waves = cell.turns if two_waves else 1
+    par = reference_parallel(cell)
+    return (cell.model, cell.dtype, n, cell.max_tokens, two_waves,
+            cell.kv_cache_dtype, cell.prompts, reference_request(cell),
+            n_waves, tuple(sorted(par.items())))  # fmt: skip
+
+
 def run_cells(
     cells: list[Cell],
     workdir: Path,
@@ -1051,17 +1066,13 @@ def run_cells(
                     models[key] = str(out)
                 model_dir = models[key]
             write_drafter(cell, model_dir, seed)
-            n = cell.prompts[0] if cell.prompts else max(n_prompts, cell.batch)
-            two_waves = cell.cache_mode == "align"
-            n_waves = cell.turns if two_waves else 1
             par = reference_parallel(cell)
             if int(cell.extra.get("tensor_parallel_size") or 1) > 1:
                 # what the support table tells apart: TP cells judged
                 # against the same TP, or (drafter "none") against TP=1
                 row["reference_tp"] = int(par.get("tensor_parallel_size", 1))
-            rkey = (cell.model, cell.dtype, n, cell.max_tokens, two_waves,
-                    cell.kv_cache_dtype, cell.prompts, reference_request(cell),
-                    n_waves, tuple(sorted(par.items())))  # fmt: skip
+            rkey = reference_key(cell, n_prompts)
+            n, n_waves = rkey[2], rkey[8]
             if rkey not in refs:
                 # long-prompt cells: the reference takes the same lengths
                 lengths = {k: v for k, v in cell.extra.items() if k == "max_model_len"}
@@ -2152,12 +2163,24 @@ def dry_run(cells: list[Cell], workdir: str = "<workdir>") -> list[dict]:
     return out
 
 
-def shard(cells: list, spec: str) -> list:
-    """Cells I, I+S, I+2S, ... of ``cells`` for ``spec`` "I/S" (1-based)."""
+def shard(cells: list, spec: str, n_prompts: int = 8) -> list:
+    """The cells of process I of S (``spec`` "I/S", 1-based): ``cells`` with
+    those that share a reference (``reference_key``) next to each other, in
+    the order the slice first names each reference, cut into S runs whose
+    lengths differ by one at most. A process builds each of its references
+    once (a TP=2 reference is a compiled engine at TP=2, minutes of a
+    call), so cells dealt by reference run fewer engines than cells dealt
+    round-robin."""
     i, _, s = spec.partition("/")
     if not (i.isdigit() and s.isdigit() and 1 <= int(i) <= int(s)):
         raise SystemExit(f"--shard {spec!r}: give I/S with 1 <= I <= S")
-    return cells[int(i) - 1 :: int(s)]
+    groups: dict[tuple, list] = {}
+    for c in cells:
+        groups.setdefault(reference_key(c, n_prompts), []).append(c)
+    ordered = [c for g in groups.values() for c in g]
+    q, r = divmod(len(ordered), int(s))
+    lo = (int(i) - 1) * q + min(int(i) - 1, r)
+    return ordered[lo : lo + q + (int(i) <= r)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -2195,7 +2218,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.only:
         cells = [c for c in cells if a.only in json.dumps(c.key())]
     if a.shard:
-        cells = shard(cells, a.shard)
+        cells = shard(cells, a.shard, a.prompts)
     version = {"vllm": compat.version_str(), "from": compat.version_source()}
     if a.dry_run:
         print(json.dumps({"slice": a.slice, "cells": len(cells), **version}))

@@ -516,6 +516,23 @@ def test_full_matrix_shards_deal_each_cell_to_one_process():
             shard([], bad)
 
 
+def test_shards_keep_the_cells_of_a_reference_together():
+    """Cells that share a non-speculative reference go to one process,
+    which builds that reference once: the tp2 slice's 8 fast-apply cells
+    (n-gram and MTP for each runner and cache mode) in 4 processes give
+    each process one reference, where dealing them round-robin gave each
+    two (two compiled TP=2 reference engines, minutes each)."""
+    from harness.equivalence import reference_key, shard, slice_cells
+
+    cells = [c for c in slice_cells("tp2") if c.model == "fastapply"]
+    assert len(cells) == 8
+    for i in range(1, 5):
+        part = shard(cells, f"{i}/4")
+        assert len(part) == 2
+        assert len({reference_key(c, 8) for c in part}) == 1
+        assert {c.drafter for c in part} == {"ngram", "mtp"}
+
+
 def test_full_matrix_summary_lists_unrun_cells(tmp_path):
     from harness.equivalence import slice_cells
     from harness.full_matrix import RUNS, expected_cells, summarize
