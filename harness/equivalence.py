@@ -2163,6 +2163,19 @@ def dry_run(cells: list[Cell], workdir: str = "<workdir>") -> list[dict]:
     return out
 
 
+def listed_cells(cells: list[Cell], path: Path) -> list[Cell]:
+    """The ``cells`` whose key is on a line of ``path`` (JSON objects; a
+    "slice" field, as ``support-table --not-run`` writes, is ignored):
+    a GPU call that reruns only the cells a run still owes."""
+    want = set()
+    for line in path.read_text().splitlines():
+        if line.strip():
+            key = json.loads(line)
+            key.pop("slice", None)
+            want.add(json.dumps(key, sort_keys=True))
+    return [c for c in cells if json.dumps(c.key(), sort_keys=True) in want]
+
+
 def shard(cells: list, spec: str, n_prompts: int = 8) -> list:
     """The cells of process I of S (``spec`` "I/S", 1-based): ``cells`` with
     those that share a reference (``reference_key``) next to each other, in
@@ -2195,6 +2208,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default=None, help="substring filter on cells")
     ap.add_argument(
+        "--cells",
+        default=None,
+        metavar="JSONL",
+        help="only the cells listed in this file, one JSON key a line (the "
+        'lines `support-table --not-run` prints; their "slice" field is '
+        "ignored)",
+    )
+    ap.add_argument(
         "--shard",
         default=None,
         metavar="I/S",
@@ -2217,6 +2238,8 @@ def main(argv: list[str] | None = None) -> None:
     cells = slice_cells(a.slice)
     if a.only:
         cells = [c for c in cells if a.only in json.dumps(c.key())]
+    if a.cells:
+        cells = listed_cells(cells, Path(a.cells))
     if a.shard:
         cells = shard(cells, a.shard, a.prompts)
     version = {"vllm": compat.version_str(), "from": compat.version_source()}

@@ -15,6 +15,9 @@
 # into $OUT/equivalence-HHMMSS.tgz (HS_PACK=0: left as files).
 # HS_ONLY: only the cells whose key contains this substring (harness.equivalence
 # --only), e.g. HS_ONLY=synthetic for the sampled cells of synthetic acceptance.
+# HS_CELLS: only the cells listed in this file (harness.equivalence --cells),
+# e.g. the owed ones: python -m harness support-table --line L --readme
+# README.md --not-run > owed.jsonl.
 # HS_CELL_S (170): how long a process may run past DEADLINE (its last cell,
 # the teacher-forced pass and the report) before it is killed as hung; a TP=2
 # cell with its same-TP reference takes 450-520 s, so give the tp2 slice 600.
@@ -47,6 +50,7 @@ for v in $VARIANTS; do
       run="$s-${v//+/-with-}" shard=()
       ((n > 1)) && run="$run-$i-of-$n" shard=(--shard "$i/$n")
       [[ -n ${HS_ONLY:-} ]] && shard+=(--only "$HS_ONLY")
+      [[ -n ${HS_CELLS:-} ]] && shard+=(--cells "$HS_CELLS")
       HS_EXTRA_PATH=$(slice_path "$s") on_gpu ${#pids[@]} in_variant "$v" timeout -k 15 $((DEADLINE + ${HS_CELL_S:-170})) python3 -m harness.equivalence --slice "$s" \
         "${shard[@]}" --run "$run" --out "$OUT/equivalence" --deadline "$DEADLINE" \
         > "$OUT/logs/$run.log" 2>&1 &

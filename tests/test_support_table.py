@@ -266,6 +266,13 @@ def test_not_run_lists_each_cell_left_without_a_result(tmp_path: Path, capsys):
     assert smoke[0].key() not in left and smoke[1].key() not in left
     assert smoke[2].key() in left
 
+    # what it prints is what `harness.equivalence --cells` reruns
+    from harness.equivalence import listed_cells
+
+    owed = tmp_path / "owed.jsonl"
+    owed.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert [c.key() for c in listed_cells(smoke, owed)] == [c.key() for c in smoke[2:]]
+
 
 def test_later_folders_add_cells_and_override_the_same_cell(folder: Path):
     """A folder of slices run after the whole matrix adds its cells; a cell
