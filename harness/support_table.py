@@ -14,8 +14,9 @@ matrix has no such cell. Errors and refusals carry a footnote, the reason cut
 from the cell's error text, one footnote per distinct reason. Cells at
 ``tensor_parallel_size`` > 1 go in a column of their own per TP size, by
 drafter; one that diverged against a reference at another TP (the eager
-TP=1 one) carries a footnote saying so. Upstream's totals go in one line
-below the table.
+TP=1 one) counts as "judged against TP=1", not as diverged, with a
+footnote saying why: such a verdict is the base's TP difference, not
+speculation's. Upstream's totals go in one line below the table.
 
 More folders after the first (``DIR MORE...``: slices run after the whole
 matrix, such as the families, tensor-parallel or sampled slices) add their
@@ -92,8 +93,10 @@ RUNNER_TEXT = {"v1": "V1", "mrv2": "MRV2 = Model Runner V2",
 CACHE_MODES = ("none", "align", "all")
 # status -> word; the order in which an entry lists them
 WORDS = {"ok": "identical", "diverged": "diverged",
-         "inconclusive": "inconclusive", "error": "errored",
-         "rejected": "refused"}  # fmt: skip
+         "inconclusive": "inconclusive", "tp1": "judged against TP=1",
+         "error": "errored", "rejected": "refused"}  # fmt: skip
+# statuses a total names only where a cell has them
+OPTIONAL = ("inconclusive", "tp1")
 SUPER = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
 BEGIN = re.compile(r"<!-- support-table BEGIN line=(\S+) dir=(\S+) -->\n")
 END = "<!-- support-table END -->"
@@ -115,6 +118,21 @@ def drafter_kind(drafter: str) -> str:
 def tp_of(cell: dict) -> int:
     """A cell's tensor_parallel_size (1 where its engine takes none)."""
     return int((cell.get("engine") or {}).get("tensor_parallel_size") or 1)
+
+
+def status(cell: dict) -> str:
+    """A cell's status as the table counts it: a cell at TP > 1 that
+    diverged against a reference at another TP (the eager TP=1 one) is
+    "tp1", not "diverged": a compiled target at TP=2 differs from TP=1
+    without speculation, so such a verdict is the base's, not
+    speculation's (``TP1_REFERENCE``)."""
+    if (
+        cell["status"] == "diverged"
+        and tp_of(cell) > 1
+        and (cell.get("reference_tp") or 1) != tp_of(cell)
+    ):
+        return "tp1"
+    return cell["status"]
 
 
 # the footnote of a TP > 1 cell that diverged against the eager TP=1
@@ -352,11 +370,7 @@ def _table(report_dir: Path, line: str, base: Path | None, also: Sequence[Path])
     notes: dict[str, int] = {}  # reason -> footnote number, in order of use
 
     def mark(c: dict) -> str:
-        if (
-            c["status"] == "diverged"
-            and tp_of(c) > 1
-            and (c.get("reference_tp") or 1) != tp_of(c)
-        ):
+        if status(c) == "tp1":
             why = TP1_REFERENCE
         elif c["status"] in ("error", "rejected"):
             why = reason(c)
@@ -375,7 +389,7 @@ def _table(report_dir: Path, line: str, base: Path | None, also: Sequence[Path])
         return str(notes.setdefault(why, len(notes) + 1)).translate(SUPER)
 
     def counts(cells: list[dict]) -> str:
-        n = Counter((c["status"], mark(c)) for c in cells)
+        n = Counter((status(c), mark(c)) for c in cells)
         order = list(WORDS)
         return ", ".join(
             f"{k} {'**diverged**' if s == 'diverged' else WORDS[s]}{fn}"
@@ -429,9 +443,9 @@ def _table(report_dir: Path, line: str, base: Path | None, also: Sequence[Path])
         rows.append(f"| {label} | " + " | ".join(cols) + " |")
 
     def totals(cells: list[dict]) -> str:
-        n = Counter(c["status"] for c in cells)
+        n = Counter(status(c) for c in cells)
         return ", ".join(f"{n[s]} {WORDS[s]}" for s in WORDS
-                         if n[s] or s != "inconclusive")  # fmt: skip
+                         if n[s] or s not in OPTIONAL)  # fmt: skip
 
     link = report_dir / "README.md"
     link = link if link.exists() else report_dir

@@ -123,8 +123,9 @@ def test_synthetic_folder(folder: Path):
 def test_tensor_parallel_cells_get_a_column_of_their_own(tmp_path: Path):
     """Cells at tensor_parallel_size > 1 leave the drafter columns for a TP
     column; one that diverged against the eager TP=1 reference (no
-    ``reference_tp`` of its own TP) gets a footnote saying so, one judged
-    against its own TP does not."""
+    ``reference_tp`` of its own TP) counts as judged against TP=1, not as
+    diverged, with a footnote saying why; one judged against its own TP
+    stays diverged."""
     d = tmp_path / "v9.9.9" / "full-matrix-h100-2030-01-02"
     d.mkdir(parents=True)
     tp = {"engine": {"tensor_parallel_size": 2}}
@@ -141,12 +142,14 @@ def test_tensor_parallel_cells_get_a_column_of_their_own(tmp_path: Path):
     assert set(h for _, h in t) == {"n-gram", "TP=2 (tensor parallel), any drafter"}
     assert t[n, "n-gram"] == "V1: none 1 identical<br>default: not run"
     assert t[n, "TP=2 (tensor parallel), any drafter"] == (
-        "*n-gram*: V1: none 1 **diverged**¹<br>default: not run"
+        "*n-gram*: V1: none 1 judged against TP=1¹<br>default: not run"
         "<br>*MTP*: V1: not run<br>default: none 1 **diverged**"
-        "<br>*no drafter (control)*: V1: not run<br>default: none 1 **diverged**¹"
+        "<br>*no drafter (control)*: V1: not run<br>default: none 1 judged "
+        "against TP=1¹"
     )
     notes = [x for x in md.splitlines() if x.startswith("- ")]
     assert notes == [f"- ¹ {st.TP1_REFERENCE}."]
+    assert "the fork's 4 cells (1 identical, 1 diverged, 2 judged against TP=1, " in md
     assert "tensor-parallel cells in the TP column, by drafter" in md
 
 
