@@ -756,15 +756,19 @@ def reference_parallel(cell: Cell) -> dict:
     speculative cell at ``tensor_parallel_size`` > 1, whose reference is the
     same target at the same tensor parallelism, runner and compilation
     without speculation (keys ``tensor_parallel_size``, ``runner``,
-    ``graphs``). A compiled NemotronH at TP=2 emits other tokens than at TP=1
-    without any speculation (the ``tp2-probe`` slice's drafter "none"
-    cells, which keep the TP=1 eager reference to show it), so a
-    speculative TP=2 cell judged against TP=1 would report the base's
-    difference, not speculation's."""
+    ``graphs``, and ``disable_custom_all_reduce`` where the cell sets it).
+    A compiled NemotronH at TP=2 emits other tokens than at TP=1 without
+    any speculation (the ``tp2-probe`` slice's drafter "none" cells, which
+    keep the TP=1 eager reference to show it), so a speculative TP=2 cell
+    judged against TP=1 would report the base's difference, not
+    speculation's."""
     tp = int(cell.extra.get("tensor_parallel_size") or 1)
     if cell.drafter == "none" or tp == 1:
         return {}
-    return {"tensor_parallel_size": tp, "runner": cell.runner, "graphs": cell.graphs}
+    par = {"tensor_parallel_size": tp, "runner": cell.runner, "graphs": cell.graphs}
+    if "disable_custom_all_reduce" in cell.extra:
+        par["disable_custom_all_reduce"] = cell.extra["disable_custom_all_reduce"]
+    return par
 
 
 # the prompt-logprob floor of chunked candidates: the reference's prompts
@@ -1768,6 +1772,13 @@ def slice_cells(name: str) -> list[Cell]:
                          max_tokens=128, extra=tp),
                     Cell("nemotron_h", "mtp", 3, 8, r, cm, graphs=fp,
                          async_sched=True, extra=tp),
+                    # compiled NemotronH at TP=2 decodes far from its own
+                    # TP=2 prefill without speculation (the compiled cells
+                    # above come out inconclusive on both variants); eager
+                    # at TP=2 it matched TP=1 (tp2-probe), so the eager
+                    # cells judge its per-rank Mamba2 state sharply
+                    Cell("nemotron_h", "mtp", 3, 8, r, cm, async_sched=True,
+                         extra=tp),
                 ]  # fmt: skip
         return cells
     if name == "mamba1-probe":
@@ -1809,7 +1820,14 @@ def slice_cells(name: str) -> list[Cell]:
         # speculation. The n-gram cells (compiled without graphs, piecewise,
         # full) are judged against the same target at TP=2 and the same
         # compilation without speculation (reference_parallel)
+        # Under that rule the compiled MTP cells were inconclusive on both
+        # variants: the target's TP=2 decode was up to 9-11 nats from its own
+        # TP=2 prefill (drift about the size of the log-probability itself),
+        # where eager TP=2 matched TP=1. The same controls with vLLM's custom
+        # all-reduce off (NCCL instead) tell whether the compiled graph's
+        # all-reduce is where TP=2 goes astray
         tp, fp = {"tensor_parallel_size": 2}, "full_and_piecewise"
+        nccl = {**tp, "disable_custom_all_reduce": True}
         nh = "nemotron_h"
         return [
             Cell(nh, "none", 0, 8, "default", graphs=fp, extra=tp),
@@ -1818,6 +1836,9 @@ def slice_cells(name: str) -> list[Cell]:
             Cell(nh, "ngram", 5, 8, "default", graphs="piecewise", extra=tp),
             Cell(nh, "none", 0, 8, "v1", graphs=fp, extra=tp),
             Cell(nh, "ngram", 5, 8, "default", graphs=fp, extra=tp),
+            Cell(nh, "none", 0, 8, "default", graphs=fp, extra=nccl),
+            Cell(nh, "mtp", 3, 8, "default", graphs=fp, async_sched=True,
+                 extra=nccl),
         ]  # fmt: skip
     if name == "families" or name.startswith("families-"):
         return family_cells(name.removeprefix("families").lstrip("-") or "all")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -1079,7 +1080,7 @@ def test_tp2_probe_slice_tells_compilation_from_speculation():
     for c in cells:
         kw = engine_kwargs(c, "/m", spec_config(c))
         assert kw["tensor_parallel_size"] == 2
-        assert kw["enforce_eager"] is False
+        assert kw["enforce_eager"] is (c.graphs == "eager")
         assert kw["compilation_config"]["cudagraph_mode"] == c.graphs.upper()
         assert (spec_config(c) is None) == (c.drafter == "none")
 
@@ -1154,17 +1155,29 @@ def test_speculative_tp2_cells_take_a_reference_at_their_own_tp_and_compilation(
     assert kw["tensor_parallel_size"] == 2 and kw["runner"] == "default"
     assert kw["compilation_config"] == {"cudagraph_mode": "NONE"}
     assert kw["enforce_eager"] is False
+    # a cell that runs its TP group without vLLM's custom all-reduce is
+    # judged against a reference and a prefill that do the same
+    nccl = replace(cells[0], extra={**tp, "disable_custom_all_reduce": True})
+    assert eq.reference_parallel(nccl)["disable_custom_all_reduce"] is True
+    with pytest.raises(RuntimeError, match="stop"):
+        real_forced("nemotron_h", "bfloat16", "/m", [([1] * 8, [2] * 4)],
+                    par=eq.reference_parallel(nccl))  # fmt: skip
+    assert kw["disable_custom_all_reduce"] is True
 
 
 def test_tp2_slice_shards_every_recurrent_head_count():
     """The tensor-parallel cells (2 GPUs): n-gram k=64 and MTP on both
     runners and cache modes, every cell with tensor_parallel_size 2, on
-    fixtures whose attention, GDN and Mamba2 head counts divide by 2."""
+    fixtures whose attention, GDN and Mamba2 head counts divide by 2;
+    compiled with CUDA graphs, and NemotronH's MTP cells eager as well."""
     from harness.equivalence import FASTAPPLY, engine_kwargs, slice_cells, spec_config
     from harness.models import nemotron_h_config, qwen3_5_config
 
     cells = slice_cells("tp2")
-    assert len(cells) == 12
+    assert len(cells) == 16
+    eager = [c for c in cells if c.graphs == "eager"]
+    assert {(c.model, c.drafter) for c in eager} == {("nemotron_h", "mtp")}
+    assert len(eager) == 4
     assert {(c.drafter, c.k) for c in cells} == {("ngram", 64), ("mtp", 3)}
     assert {(c.runner, c.cache_mode) for c in cells} == {
         (r, cm) for r in ("default", "v1") for cm in ("none", "align")
@@ -1173,7 +1186,7 @@ def test_tp2_slice_shards_every_recurrent_head_count():
     for c in cells:
         kw = engine_kwargs(c, "/m", spec_config(c))
         assert kw["tensor_parallel_size"] == 2
-        assert kw["enforce_eager"] is False
+        assert kw["enforce_eager"] is (c.graphs == "eager")
     fastapply = (
         Path(__file__).resolve().parents[1] / "fixtures" / "fastapply" / "config.json"
     )
