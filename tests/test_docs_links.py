@@ -83,3 +83,44 @@ def test_link_parser():
         (6, "../r.md"),
         (7, "h.md"),
     ]
+
+
+def unindexed(reports: Path) -> list[str]:
+    """The report folders (``<kind>/<line>/<folder>``) that neither
+    ``reports/README.md`` nor their line's own index
+    (``<kind>/<line>/README.md``) links to."""
+    index = reports / "README.md"
+    targets = {
+        (index.parent / re.split(r"[#?]", t)[0]).resolve()
+        for _, t in links(index.read_text())
+        if not EXTERNAL.match(t)
+    }
+    out = []
+    for d in sorted(reports.glob("*/v*/*/")):
+        if not d.is_dir():
+            continue
+        sub = d.parent / "README.md"
+        if sub.exists():
+            targets |= {
+                (sub.parent / re.split(r"[#?]", t)[0]).resolve()
+                for _, t in links(sub.read_text())
+                if not EXTERNAL.match(t)
+            }
+        here = {d.resolve(), (d / "README.md").resolve()}
+        if not here & targets:
+            out.append(str(d.relative_to(reports)))
+    return out
+
+
+def test_every_report_folder_is_indexed(tmp_path: Path):
+    """A report folder nobody links to is a result nobody finds: every
+    ``reports/<kind>/<line>/<folder>`` is linked from ``reports/README.md``
+    or from its line's own index."""
+    assert unindexed(REPO / "reports") == []
+    # the check itself: a folder without a link is named
+    (tmp_path / "equivalence" / "v9.9.9" / "lost-h100-2030-01-01").mkdir(parents=True)
+    (tmp_path / "equivalence" / "v9.9.9" / "found-h100-2030-01-01").mkdir()
+    (tmp_path / "README.md").write_text(
+        "| [found](equivalence/v9.9.9/found-h100-2030-01-01/) | ... |\n"
+    )
+    assert unindexed(tmp_path) == ["equivalence/v9.9.9/lost-h100-2030-01-01"]
