@@ -1163,6 +1163,17 @@ def test_speculative_tp2_cells_take_a_reference_at_their_own_tp_and_compilation(
         real_forced("nemotron_h", "bfloat16", "/m", [([1] * 8, [2] * 4)],
                     par=eq.reference_parallel(nccl))  # fmt: skip
     assert kw["disable_custom_all_reduce"] is True
+    # and one with inductor options of its own keeps them beside the CUDA
+    # graph mode: its own, and the pass's (prefills only, no graphs)
+    ind = {"inductor_compile_config": {"combo_kernels": False}}
+    nocombo = replace(cells[0], extra={**tp, "compilation_config": ind})
+    assert eq.engine_kwargs(nocombo, "/m", None)["compilation_config"] == {
+        "cudagraph_mode": "FULL_AND_PIECEWISE", **ind,
+    }  # fmt: skip
+    with pytest.raises(RuntimeError, match="stop"):
+        real_forced("nemotron_h", "bfloat16", "/m", [([1] * 8, [2] * 4)],
+                    par=eq.reference_parallel(nocombo))  # fmt: skip
+    assert kw["compilation_config"] == {"cudagraph_mode": "NONE", **ind}
 
 
 def test_tp2_slice_shards_every_recurrent_head_count():
