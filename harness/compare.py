@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 
 # Default tie margins (nats), by dtype: bf16 logits carry ~1e-2 relative
 # noise through a forward pass; fp32 ~1e-6.
-# "fp8": a block-FP8 checkpoint computing in bf16 (harness.fp8); its
-# measured noise floor widens the margin where FP8 GEMMs need it
-TIE_MARGIN = {"bfloat16": 0.05, "float16": 0.02, "float32": 1e-3, "fp8": 0.05}
+# "fp8": a block-FP8 checkpoint computing in bf16 (harness.fp8), and
+# "fp8_online", a bf16 one vLLM quantizes as it loads; their measured noise
+# floor widens the margin where FP8 GEMMs need it
+TIE_MARGIN = {"bfloat16": 0.05, "float16": 0.02, "float32": 1e-3, "fp8": 0.05,
+              "fp8_online": 0.05}  # fmt: skip
 
 
 @dataclass(frozen=True)

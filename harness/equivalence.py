@@ -71,6 +71,9 @@ FASTAPPLY_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "fastapply
 # (harness.models.qwen3_5_config): FlashInfer's GDN prefill takes no other
 QWEN3_5_D128 = "qwen3_5_d128"
 FP8 = "fp8"  # Cell.dtype of a block-FP8 checkpoint (harness.fp8)
+# Cell.dtype of the bf16 checkpoint quantized by vLLM as it loads
+# (`quantization="fp8"`: FP8 weights with per-tensor scales, bf16 activations)
+FP8_ONLINE = "fp8_online"
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -268,8 +271,9 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
     kw: dict = {
         "model": model_dir,
         # "fp8": the block-FP8 copy of the model (harness.fp8), computing in
-        # bf16 as a published FP8 checkpoint does
-        "dtype": "bfloat16" if cell.dtype == FP8 else cell.dtype,
+        # bf16 as a published FP8 checkpoint does; "fp8_online": the bf16
+        # model, quantized at load (below)
+        "dtype": "bfloat16" if cell.dtype in (FP8, FP8_ONLINE) else cell.dtype,
         "seed": 0,
         "max_model_len": 2048,
         # several slices may share one GPU (one process each)
@@ -313,6 +317,8 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
         # cell's extra may ask for more (PREEMPT_SLACK_K8)
         kw["num_gpu_blocks_override"] = POOL_BASE + 2
         kw["max_model_len"] = 512
+    if cell.dtype == FP8_ONLINE:
+        kw["quantization"] = "fp8"
     if cell.kv_cache_dtype != "auto":
         # TurboQuant presets pick their own attention backend
         kw["kv_cache_dtype"] = cell.kv_cache_dtype
@@ -1682,6 +1688,19 @@ def slice_cells(name: str) -> list[Cell]:
             # where this control shows it too, speculation's where it does not
             Cell(fa, "none", 0, 16, "default", "align", "full_and_piecewise",
                  async_sched=True, dtype=FP8, max_tokens=128),
+        ] + [
+            # the other dtypes a user picks: vLLM's online FP8 (the bf16
+            # checkpoint with `quantization="fp8"`, the MTP head quantized
+            # with it) and float16, each against its own non-speculative
+            # reference: n-gram k=64 on V1, MTP k=3 on the default runner
+            # in align mode with CUDA graphs and async scheduling
+            c
+            for dt in (FP8_ONLINE, "float16")
+            for c in (
+                Cell(fa, "ngram", 64, 8, "v1", dtype=dt, max_tokens=128),
+                Cell(fa, "mtp", 3, 16, "default", "align", "full_and_piecewise",
+                     async_sched=True, dtype=dt, max_tokens=128),
+            )
         ]  # fmt: skip
     if name == "draft-length":
         # per-request n-gram draft lengths (draft_length_policy="acceptance"):

@@ -95,6 +95,7 @@ EPS = {
     "float16": 2.0**-11,
     "float32": 2.0**-23,
     "fp8": 2.0**-8,  # a block-FP8 checkpoint computes in bf16 (harness.fp8)
+    "fp8_online": 2.0**-8,  # so does a bf16 one vLLM quantizes as it loads
 }
 
 LP = dict[int, float]

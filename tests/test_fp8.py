@@ -133,13 +133,14 @@ def test_fp8_slice_runs_the_fp8_copy_against_its_own_reference():
     from harness import compare, oracle
     from harness.equivalence import FP8, engine_kwargs, slice_cells, spec_config
 
-    cells = slice_cells("fp8")
-    assert cells and {c.dtype for c in cells} == {FP8}
+    cells = [c for c in slice_cells("fp8") if c.dtype == FP8]
+    assert cells
     assert {c.drafter for c in cells} == {"ngram", "mtp", "none"}
     assert {c.cache_mode for c in cells} == {"none", "align"}
     for cell in cells:
         kw = engine_kwargs(cell, "/m-fp8", spec_config(cell))
         assert kw["dtype"] == "bfloat16"
+        assert "quantization" not in kw  # the checkpoint's own config says it
     # the compiled MTP cell has a control: the same engine without a drafter
     (mtp,) = [c for c in cells if c.drafter == "mtp" and c.graphs != "eager"]
     (control,) = [c for c in cells if c.drafter == "none"]
@@ -175,3 +176,32 @@ def test_run_cells_runs_and_verifies_fp8_cells_on_the_fp8_copy(tmp_path, monkeyp
     dirs = {d for _, d in seen}
     assert dirs == {str(tmp_path / f"model-{eq.FASTAPPLY}-{eq.FP8}")}
     assert {what for what, _ in seen} == {"generate", "forced"}
+
+
+def test_fp8_slice_also_runs_online_fp8_and_float16():
+    """The other dtypes a user picks: vLLM's online FP8 (the bf16 fixture,
+    ``quantization="fp8"``, bf16 activations) and float16, each with n-gram
+    k=64 and MTP k=3; every dtype a slice uses has a tie margin and a drift
+    unit."""
+    from harness import compare, oracle
+    from harness.equivalence import (
+        FP8_ONLINE,
+        engine_kwargs,
+        reference_key,
+        slice_cells,
+        spec_config,
+    )
+    from harness.full_matrix import expected_cells
+
+    cells = slice_cells("fp8")
+    for dt, want in ((FP8_ONLINE, "bfloat16"), ("float16", "float16")):
+        mine = [c for c in cells if c.dtype == dt]
+        assert {(c.drafter, c.k) for c in mine} == {("ngram", 64), ("mtp", 3)}
+        for c in mine:
+            kw = engine_kwargs(c, "/m", spec_config(c))
+            assert kw["dtype"] == want
+            assert kw.get("quantization") == ("fp8" if dt == FP8_ONLINE else None)
+            # judged against a reference of its own dtype
+            assert reference_key(c, 8)[1] == dt
+    used = {key["dtype"] for _, key in expected_cells()}
+    assert used <= set(compare.TIE_MARGIN) and used <= set(oracle.EPS)
