@@ -2221,14 +2221,15 @@ def dry_run(cells: list[Cell], workdir: str = "<workdir>") -> list[dict]:
 
 
 def listed_cells(cells: list[Cell], path: Path) -> list[Cell]:
-    """The ``cells`` whose key is on a line of ``path`` (JSON objects; a
-    "slice" field, as ``support-table --not-run`` writes, is ignored):
-    a GPU call that reruns only the cells a run still owes."""
+    """The ``cells`` whose key is on a line of ``path`` (JSON objects; the
+    "slice" and "why" fields ``support-table --not-run`` / ``--owed`` write
+    are ignored): a GPU call that reruns only the cells a run still owes."""
     want = set()
     for line in path.read_text().splitlines():
         if line.strip():
             key = json.loads(line)
             key.pop("slice", None)
+            key.pop("why", None)
             want.add(json.dumps(key, sort_keys=True))
     return [c for c in cells if json.dumps(c.key(), sort_keys=True) in want]
 
@@ -2269,8 +2270,8 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         metavar="JSONL",
         help="only the cells listed in this file, one JSON key a line (the "
-        'lines `support-table --not-run` prints; their "slice" field is '
-        "ignored)",
+        "lines `support-table --not-run` or `--owed` prints; their slice and "
+        "why fields are ignored)",
     )
     ap.add_argument(
         "--shard",

@@ -6,8 +6,10 @@
 #   e.g. HSFORK_GPU_MEM=0.05 bash harness/gpu_owed.sh "fork upstream" 300
 #
 # The list is `python -m harness support-table --line LINE --readme README.md
-# --not-run` (HS_OWED: a list of one's own, in that format), LINE the
-# installed bundle's (HS_LINE to name it). It is cut in two:
+# --owed` (the cells without a result, and the speculative cells judged
+# before a rule that judges them otherwise now; HS_OWED: a list of one's
+# own, in that format), LINE the installed bundle's (HS_LINE to name it).
+# It is cut in two:
 # - single-GPU cells: one gpu_matrix.sh over the host's GPUs (HS_GPUS, else
 #   every GPU), each slice dealt into one process per 2 owed cells;
 # - cells at tensor_parallel_size 2: one gpu_matrix.sh over a pair of GPUs
@@ -27,7 +29,7 @@ mkdir -p "$OUT"
 LINE=${HS_LINE:-$(python3 -c 'import json; print("v" + json.load(open("/tmp/hybridspec/manifest.json"))["version"].split("+")[0])')}
 OWED=${HS_OWED:-$OUT/owed-$LINE.jsonl}
 if [ -z "${HS_OWED:-}" ]; then
-  python3 -m harness support-table --line "$LINE" --readme "$R/README.md" --not-run > "$OWED" || exit 1
+  python3 -m harness support-table --line "$LINE" --readme "$R/README.md" --owed > "$OWED" || exit 1
 fi
 # the two halves' lists, and their gpu_matrix.sh slice entries (line 1:
 # single-GPU, line 2: TP)

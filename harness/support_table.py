@@ -264,6 +264,29 @@ def not_run(got: dict, report_dir: Path, also: Sequence[Path] = ()) -> list:
     return [wanted[k] for k in sorted(set(wanted) - set(got["fork"]), key=str)]
 
 
+def stale(got: dict, report_dir: Path, also: Sequence[Path] = ()) -> list:
+    """(slice, cell) of each speculative fork cell whose newest verdict
+    predates an oracle rule that judges it otherwise now, and that a slice
+    still holds: diverged by drift alone before the control floor
+    (``DRIFT_ONLY``), or at TP > 1 against the eager TP=1 reference
+    (``TP1_REFERENCE``). Rerun, such a cell gets a verdict on
+    speculation."""
+    wanted = _wanted(report_dir, also)
+    out = []
+    for k, (c, _) in got["fork"].items():
+        if k not in wanted or c["drafter"] == "none":
+            continue
+        drift_only = (
+            c["status"] == "diverged"
+            and not c.get("divergences")
+            and not any(x in c for x in ("drift_control_floor_why",
+                                         "drift_control_floor_error"))
+        )  # fmt: skip
+        if drift_only or status(c) == "tp1":
+            out.append(wanted[k])
+    return sorted(out, key=str)
+
+
 def _unstarted(got: dict, report_dir: Path, also: Sequence[Path] = ()) -> str:
     """ ", or one of the N cells ..." where the matrix's calls left fork cells
     without a result (``not_run``), else ""."""
@@ -273,17 +296,26 @@ def _unstarted(got: dict, report_dir: Path, also: Sequence[Path] = ()) -> str:
             if n else "")  # fmt: skip
 
 
-def not_run_lines(report_dir: Path, line: str, also: Sequence[Path] = ()) -> list:
+def not_run_lines(
+    report_dir: Path, line: str, also: Sequence[Path] = (), with_stale: bool = False
+) -> list:
     """One JSON line per fork cell ``not_run`` finds, with its slice: what a
-    GPU run still owes the table (``--not-run``)."""
+    GPU run still owes the table (``--not-run``); with ``with_stale``, then
+    the cells ``stale`` finds too, with a "why" field (``--owed``)."""
     import json
 
     from . import compat
 
+    more = [Path(d) for d in also]
     with mock.patch.dict(os.environ, {compat.VERSION_ENV: line}):
-        got, _ = gather(report_dir, [Path(d) for d in also])
-        cells = not_run(got, report_dir, [Path(d) for d in also])
-    return [json.dumps({"slice": s, **c}) for s, c in cells]
+        got, _ = gather(report_dir, more)
+        cells = [(s, c, None) for s, c in not_run(got, report_dir, more)]
+        if with_stale:
+            cells += [(s, c, "stale") for s, c in stale(got, report_dir, more)]
+    return [
+        json.dumps({"slice": s, **c, **({"why": why} if why else {})})
+        for s, c, why in cells
+    ]
 
 
 def _slice_keys(name: str) -> set | None:
@@ -582,9 +614,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--not-run", action="store_true", help="print the fork "
                     "cells the folders (or, with --readme, its marker's) leave "
                     "without a result, one JSON line each, with its slice")  # fmt: skip
+    ap.add_argument("--owed", action="store_true", help="--not-run, and the "
+                    "speculative cells whose verdict predates a rule that "
+                    "judges them otherwise now (\"why\": \"stale\")")  # fmt: skip
     a = ap.parse_args(argv)
     line = a.line or (_line_of(Path(a.dir[0])) if a.dir else "v0.26.0")
-    if a.not_run:
+    if a.not_run or a.owed:
         if a.dir:
             dirs = [Path(x) for x in a.dir]
         elif a.readme:
@@ -595,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
             dirs = [newest(line)]
         if not dirs:
             raise SystemExit(f"no support-table region for line {line}")
-        for x in not_run_lines(dirs[0], line, dirs[1:]):
+        for x in not_run_lines(dirs[0], line, dirs[1:], with_stale=a.owed):
             print(x)
         return 0
     if not a.readme:

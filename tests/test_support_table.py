@@ -277,6 +277,56 @@ def test_not_run_lists_each_cell_left_without_a_result(tmp_path: Path, capsys):
     assert [c.key() for c in listed_cells(smoke, owed)] == [c.key() for c in smoke[2:]]
 
 
+def test_owed_adds_the_speculative_cells_judged_before_a_rule(tmp_path: Path, capsys):
+    """``--owed``: the cells without a result, then the speculative cells
+    whose verdict a later oracle rule would give otherwise, with "why":
+    "stale": diverged by drift alone without the control floor, and TP
+    cells judged against TP=1. Controls (drafter "none"), cells with the
+    control floor and TP cells judged at their own TP are not owed."""
+    import os
+    from unittest import mock
+
+    from harness import compat
+    from harness.equivalence import slice_cells
+    from harness.support_table import main
+
+    def row(c, status, **kw):
+        return {**c.key(), "status": status, "tokens": 10, "ties": 0,
+                "divergences": 0, **kw}  # fmt: skip
+
+    line = "v0.33.0"  # the cells' keys as that line's harness builds them
+    with mock.patch.dict(os.environ, {compat.VERSION_ENV: line}):
+        fp8, tp = slice_cells("fp8"), slice_cells("tp2-probe")
+    mtp = next(c for c in fp8 if c.drafter == "mtp" and c.graphs != "eager")
+    ngram = next(c for c in fp8 if c.drafter == "ngram")
+    control = next(c for c in fp8 if c.drafter == "none")
+    tp_ngram = next(c for c in tp if c.drafter == "ngram")
+    tp_mtp = next(c for c in tp if c.drafter == "mtp")
+    d = tmp_path / line / "slices-h100-2030-01-05"
+    d.mkdir(parents=True)
+    (d / "fp8-fork.json").write_text(json.dumps([
+        row(mtp, "diverged"),  # drift only, before the control floor
+        row(ngram, "diverged", drift_control_floor_why="x"),  # judged with it
+        row(control, "diverged"),  # a control's drift is the target's
+    ]))  # fmt: skip
+    # a TP slice is not in the whole matrix: a later folder's
+    later = tmp_path / line / "tp2-h100x2-2030-01-06"
+    later.mkdir()
+    (later / "tp2-probe-fork.json").write_text(json.dumps([
+        row(tp_ngram, "diverged", divergences=5),  # against TP=1
+        row(tp_mtp, "diverged", divergences=5, reference_tp=2),
+    ]))  # fmt: skip
+    assert main(["--owed", "--line", line, str(d), str(later)]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    stale = [(r["slice"], r["drafter"]) for r in rows if r.get("why") == "stale"]
+    assert sorted(stale) == [("fp8", "mtp"), ("tp2-probe", "ngram")]
+    # the rest are the slices' cells without a result
+    assert all("why" not in r for r in rows if (r["slice"], r["drafter"]) not in stale)
+    # --not-run alone leaves the stale ones out
+    assert main(["--not-run", "--line", line, str(d), str(later)]) == 0
+    assert "stale" not in capsys.readouterr().out
+
+
 def test_later_folders_add_cells_and_override_the_same_cell(folder: Path):
     """A folder of slices run after the whole matrix adds its cells; a cell
     it ran again takes its result there; the caption names it; the README
