@@ -189,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="cudagraph_capture_sizes (default: vLLM's)",
     )
+    ap.add_argument(
+        "--fixed-fusion",
+        action="store_true",
+        help="inductor fuses kernels horizontally by its heuristics alone "
+        "(combo_kernels on, benchmark_combo_kernel off): the same compiled "
+        "graph in every process, where vLLM's default times the candidate "
+        "fusions in each process and may compile another graph each run",
+    )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=4096)
@@ -303,6 +311,13 @@ def engine_kwargs(a: argparse.Namespace, model_dir: str) -> dict:
         kw.pop("attention_backend")
     if a.capture_sizes and not a.eager:
         kw["compilation_config"] = {"cudagraph_capture_sizes": sorted(a.capture_sizes)}
+    if getattr(a, "fixed_fusion", False) and not a.eager:
+        # vLLM sets both keys only when neither is given
+        # (CompilationConfig.__post_init__)
+        kw.setdefault("compilation_config", {})["inductor_compile_config"] = {
+            "combo_kernels": True,
+            "benchmark_combo_kernel": False,
+        }
     spec = spec_config(a)
     if spec:
         kw["speculative_config"] = spec

@@ -81,12 +81,16 @@ mtp-mrv2)
   ;;
 align-mtp)
   # MTP k=3 with prefix caching in align mode (the fork copies recurrent
-  # state at block boundaries there), fork vs upstream, V1 then MRV2
+  # state at block boundaries there), fork vs upstream, V1 then MRV2;
+  # ALIGN_EXTRA: more decode_latency arguments, e.g. --fixed-fusion (the
+  # same compiled graph in every run: whole runs of unchanged code moved by
+  # 10-26 %, and vLLM times its candidate kernel fusions in each process)
   for r in ${ALIGN_RUNNERS:-v1 mrv2}; do
     in_variant fork python3 -m benchmarks.side_by_side \
       --modes mtp --out "$OUT/align-mtp-$r" --run "align-mtp-$r" \
       --deadline "${2:-270}" --repeats "${ALIGN_REPEATS:-2}" \
-      -- --runner "$r" --cache-mode align --label "mtp_align_$r" --mtp-k 3 --tokens 96
+      -- --runner "$r" --cache-mode align --label "mtp_align_$r" --mtp-k 3 --tokens 96 \
+      ${ALIGN_EXTRA:-}
   done
   ;;
 traces)

@@ -354,6 +354,26 @@ def test_parse_args_spec_modes():
     }
 
 
+def test_fixed_fusion_keeps_combo_kernels_and_stops_their_timing():
+    """--fixed-fusion: horizontal fusion stays on, chosen without timing
+    (vLLM sets both inductor keys only where neither is given), beside the
+    capture sizes; an eager engine compiles nothing and takes neither."""
+    fixed = {"combo_kernels": True, "benchmark_combo_kernel": False}
+    a = dl.parse_args(["--mode", "mtp", "--out", "x", "--fixed-fusion"])
+    assert dl.engine_kwargs(a, "/m")["compilation_config"] == {
+        "inductor_compile_config": fixed
+    }
+    a = dl.parse_args(
+        ["--mode", "mtp", "--out", "x", "--fixed-fusion", "--capture-sizes", "4,1"]
+    )
+    assert dl.engine_kwargs(a, "/m")["compilation_config"] == {
+        "cudagraph_capture_sizes": [1, 4],
+        "inductor_compile_config": fixed,
+    }
+    a = dl.parse_args(["--mode", "mtp", "--out", "x", "--fixed-fusion", "--eager"])
+    assert "compilation_config" not in dl.engine_kwargs(a, "/m")
+
+
 @pytest.mark.parametrize(
     "argv",
     [
