@@ -1020,10 +1020,19 @@ def reference_key(cell: Cell, n_prompts: int) -> tuple:
     n = cell.prompts[0] if cell.prompts else max(n_prompts, cell.batch)
     two_waves = cell.cache_mode == "align"
     n_waves = cell.turns if two_waves else 1
-    par = reference_parallel(cell)
     return (cell.model, cell.dtype, n, cell.max_tokens, two_waves,
             cell.kv_cache_dtype, cell.prompts, reference_request(cell),
-            n_waves, tuple(sorted(par.items())))  # fmt: skip
+            n_waves, _frozen(reference_parallel(cell)))  # fmt: skip
+
+
+def _frozen(par: dict) -> tuple:
+    """``reference_parallel``'s keywords as a key (its values may be dicts:
+    compilation options), each value in JSON; ``_thawed`` undoes it."""
+    return tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in par.items()))
+
+
+def _thawed(frozen: tuple) -> dict:
+    return {k: json.loads(v) for k, v in frozen}
 
 
 def run_cells(
@@ -1210,13 +1219,13 @@ def run_cells(
         try:
             # an fp8 cell's reference and candidates ran on the FP8 copy
             model_dir = models[f"{model}:{FP8}"] if dtype == FP8 else models[model]
-            forced = teacher_forced(model, dtype, model_dir, seqs, kv, par=dict(par))
+            forced = teacher_forced(model, dtype, model_dir, seqs, kv, par=_thawed(par))
         except Exception as e:  # noqa: BLE001
             for row, *_ in items:
                 _error_row(row, e)
             continue
-        ctx_forced, ctx_error = context_pass(model, dtype, model_dir, kv, items,
-                                             seqs, owners, par=dict(par))  # fmt: skip
+        ctx_forced, ctx_error = context_pass(model, dtype, model_dir, kv, items, seqs,
+                                             owners, par=_thawed(par))  # fmt: skip
         worst = worst_constrained = 0.0
         for (kind, key, i), pos in zip(owners, forced, strict=True):
             if kind == "ref":
@@ -1279,7 +1288,7 @@ def run_cells(
         if lazy:
             ctx_more, lazy_error = context_pass(
                 model, dtype, model_dir, kv, items, seqs, owners, want=lazy,
-                par=dict(par),
+                par=_thawed(par),
             )  # fmt: skip
             at = {o: n for n, o in enumerate(owners)}
             for (key, i), ctx_pos in ctx_more.items():

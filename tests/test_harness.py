@@ -1867,3 +1867,37 @@ def test_run_cells_reports_an_unjudgeable_cell_as_inconclusive(tmp_path, monkeyp
     (row,) = eq.run_cells(cells, tmp_path, n_prompts=2, seed=0)
     assert row["ties"] == row["tokens"] == 6
     assert row["status"] == "inconclusive" and row["judged_as"] == "ok"
+
+
+def test_a_tp_cell_with_compilation_options_runs_and_shards(tmp_path, monkeypatch):
+    """A TP cell whose extra carries compilation options (a dict: the
+    tp2-probe's inductor settings) keys its reference by them: the slice
+    shards, the cell runs, and its teacher-forced pass gets the options
+    back as a dict. (The reference key once held the dict itself, which
+    Python cannot hash: sharding tp2-probe raised TypeError.)"""
+    from conftest import greedy_forced
+
+    import harness.equivalence as eq
+
+    probe = eq.slice_cells("tp2-probe")
+    assert sum(len(eq.shard(probe, f"{i}/6")) for i in range(1, 7)) == len(probe)
+    (cell,) = [
+        replace(c, max_tokens=3, batch=2)
+        for c in probe
+        if c.drafter == "mtp" and "compilation_config" in c.extra
+    ]
+    forced_par = []
+
+    def fake_generate(cell, model_dir, waves, logprobs, batches=None):
+        return [fake_output([1, 2, 3], logprobs) for w in waves for _ in w], {}
+
+    def forced(model, dtype, model_dir, seqs, kv="auto", chunked=False, par=None):
+        forced_par.append(par)
+        return greedy_forced(model, dtype, model_dir, seqs, kv)
+
+    fake_engines(monkeypatch, fake_generate, forced)
+    (row,) = eq.run_cells([cell], tmp_path, n_prompts=2, seed=0)
+    assert row["status"] == "ok", row.get("error")
+    assert forced_par and all(
+        p["compilation_config"] == cell.extra["compilation_config"] for p in forced_par
+    )
