@@ -276,15 +276,20 @@ def stale(got: dict, report_dir: Path, also: Sequence[Path] = ()) -> list:
     for k, (c, _) in got["fork"].items():
         if k not in wanted or c["drafter"] == "none":
             continue
-        drift_only = (
-            c["status"] == "diverged"
-            and not c.get("divergences")
-            and not any(x in c for x in ("drift_control_floor_why",
-                                         "drift_control_floor_error"))
-        )  # fmt: skip
-        if drift_only or status(c) == "tp1":
+        if _before_control_floor(c) or status(c) == "tp1":
             out.append(wanted[k])
     return sorted(out, key=str)
+
+
+def _before_control_floor(cell: dict) -> bool:
+    """A cell diverged by drift alone (no token differs) that the oracle
+    judged without a control floor (``DRIFT_ONLY`` for a speculative one)."""
+    return (
+        cell["status"] == "diverged"
+        and not cell.get("divergences")
+        and not any(x in cell for x in ("drift_control_floor_why",
+                                        "drift_control_floor_error"))
+    )  # fmt: skip
 
 
 def _unstarted(got: dict, report_dir: Path, also: Sequence[Path] = ()) -> str:
@@ -411,8 +416,7 @@ def _table(report_dir: Path, line: str, base: Path | None, also: Sequence[Path])
         elif c["status"] == "diverged" and not c.get("divergences"):
             if c["drafter"] == "none":
                 why = CONTROL_DRIFT
-            elif not any(k in c for k in ("drift_control_floor_why",
-                                          "drift_control_floor_error")):  # fmt: skip
+            elif _before_control_floor(c):
                 why = DRIFT_ONLY
             else:
                 return ""
@@ -644,15 +648,15 @@ def main(argv: list[str] | None = None) -> int:
         lines = [line]
         if not a.line and not a.dir:
             lines = [m.group(1) for m, _ in regions(old)]
-        stale = 0
+        out_of_date = 0
         for x in lines:
             new = rewrite(old, x, [Path(d) for d in a.dir] or None, readme.parent)
             if new != old:
                 sys.stderr.write(f"{readme}: the support table of {x} is stale; "
                                  f"run python -m harness support-table --line {x} "
                                  f"--readme {readme}\n")  # fmt: skip
-                stale = 1
-        return stale
+                out_of_date = 1
+        return out_of_date
     dirs = [Path(x) for x in a.dir] or default_dirs(old, line)
     new = rewrite(old, line, dirs, readme.parent)
     readme.write_text(new)
