@@ -1231,6 +1231,44 @@ def test_configs_report_takes_each_variants_speedup_over_its_own_baseline(tmp_pa
     )
 
 
+def test_configs_report_full_batch_throughput_leaves_the_closed_batchs_tail_out(
+    tmp_path,
+):
+    from benchmarks import configs_report as cr
+
+    # BS 4. No speculation: 4 full steps of 10 ms, 4 tokens each. The replay:
+    # 2 full steps of 20 ms emitting 12 tokens each (one request accepts
+    # everything), then the one request that accepts nothing runs alone for
+    # 8 steps of 10 ms: the closed batch waits for it. A prefill step and a
+    # full step with a prefill row count in neither full-batch figure.
+    none = [[5.0, 4, 4, 0, 0, 0]] + [[10.0, 4, 0, 0, 0, 4]] * 4
+    spec = [[5.0, 4, 4, 0, 0, 0], [30.0, 4, 1, 8, 8, 12]]
+    spec += [[20.0, 4, 0, 8, 8, 12]] * 2 + [[10.0, 1, 0, 0, 0, 1]] * 8
+    for label, steps in (("none", none), ("scripted70", spec)):
+        decode = [s for s in steps if not s[2]]
+        ms = sum(s[0] for s in decode)
+        toks = sum(s[5] for s in decode)
+        row = {"bs": 4, "median_ms": 10.0, "tokens_per_s": toks * 1e3 / ms,
+               "wall_s": ms / 1e3, "steps": steps}  # fmt: skip
+        doc = {"schema": dl.SCHEMA, "mode": label, "variant": "fork",
+               "status": "ok", "config": {"engine": {}}, "results": [row]}  # fmt: skip
+        (tmp_path / f"{label}.json").write_text(json.dumps(doc))
+    res = cr.write([tmp_path], tmp_path / "o", "t", "none")
+    by = {r["config"]: r for r in res["rows"]}
+    # closed batch: 16 tokens in 40 ms against 32 in 120 ms
+    assert by["scripted70"]["speedup_vs_baseline"] == pytest.approx(
+        (32 / 120) / (16 / 40)
+    )
+    # full batch: 24 tokens in 40 ms against 16 in 40 ms
+    assert by["none"]["full_batch_tokens_per_s"] == pytest.approx(400.0)
+    assert by["scripted70"]["full_batch_tokens_per_s"] == pytest.approx(600.0)
+    assert by["scripted70"]["full_batch_speedup_vs_baseline"] == pytest.approx(1.5)
+    md = (tmp_path / "o" / "t.md").read_text()
+    assert "| 600 | 1.50x |" in md and "full-batch tok/s" in md
+    # records without steps (older JSONs): no full-batch figure
+    assert cr.full_batch_tokens_per_s({"bs": 4}, 4) is None
+
+
 def test_align_mode_turns_prefix_caching_on_and_names_the_mode_where_taken(
     monkeypatch,
 ):
