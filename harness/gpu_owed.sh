@@ -11,11 +11,17 @@
 # own, in that format), LINE the installed bundle's (HS_LINE to name it).
 # It is cut in two:
 # - single-GPU cells: one gpu_matrix.sh over the host's GPUs (HS_GPUS, else
-#   every GPU), each slice dealt into one process per 2 owed cells;
+#   every GPU);
 # - cells at tensor_parallel_size 2: one gpu_matrix.sh over a pair of GPUs
-#   (HS_TP_GPUS, default "0,1"), one process per cell, HS_CELL_S 600 (a
-#   TP=2 cell with its same-TP reference and prefill takes 400-580 s). On a
-#   host of one GPU they are left out, and said so.
+#   (HS_TP_GPUS, default "0,1"). On a host of one GPU they are left out, and
+#   said so.
+# Each owed cell gets a process of its own, and each process HS_CELL_S
+# (600) s past DEADLINE: a TP=2 cell with its same-TP reference and prefill
+# takes 400-580 s, and on a loaded host (2026-11-28: load 38-43 on 32 cores,
+# beside the TP cells) single-GPU processes of 2 cells each, FP8 and
+# FlashInfer's JIT among them, reached a 470 s limit before their first
+# report: a process writes its report once all its cells are verified, so
+# a killed process leaves none.
 # Both halves run at once, their reports under $OUT/single and $OUT/tp.
 # HS_DRY=1 prints the two gpu_matrix.sh commands instead of running them.
 # Why by hand: the table, the list and gpu_matrix.sh are this project's own;
@@ -48,7 +54,7 @@ with open(single, "w") as fs, open(tp, "w") as ft:
         par = int((cell.get("engine") or {}).get("tensor_parallel_size") or 1) > 1
         (ft if par else fs).write(line if line.endswith("\n") else line + "\n")
         n[par][cell["slice"]] += 1
-print(" ".join(f"{s}:{-(-k // 2)}" for s, k in n[False].items()))
+print(" ".join(f"{s}:{k}" for s, k in n[False].items()))
 print(" ".join(f"{s}:{k}" for s, k in n[True].items()))
 PY
 )
@@ -70,7 +76,7 @@ run() {  # NAME CELLS SLICES [VAR=VALUE...]: one gpu_matrix.sh call
   fi
 }
 pids=()
-[ -n "$single" ] && run single "$OUT/owed-single.jsonl" "$single"
+[ -n "$single" ] && run single "$OUT/owed-single.jsonl" "$single" HS_CELL_S="${HS_CELL_S:-600}"
 if [ -n "$tp" ]; then
   if ((${#gpus[@]} >= 2)); then
     run tp "$OUT/owed-tp.jsonl" "$tp" HS_GPUS="${HS_TP_GPUS:-0,1}" HS_CELL_S="${HS_CELL_S:-600}"

@@ -52,12 +52,15 @@ def test_owed_cells_go_to_one_matrix_call_per_kind(tmp_path: Path):
     from harness.equivalence import listed_cells, slice_cells
 
     out = _dry(tmp_path, "0 1")
-    assert "[owed] v0.33.0: single-GPU: fp8:1; TP: tp2:1" in out
+    # one process per owed cell, each with the same allowance past the
+    # deadline
+    assert "[owed] v0.33.0: single-GPU: fp8:2; TP: tp2:1" in out
     cmds = [x for x in out.splitlines() if "gpu_matrix.sh" in x]
     assert len(cmds) == 2
     single, tp = cmds
     assert f"HS_CELLS={tmp_path}/out/owed-single.jsonl" in single
-    assert "fork upstream fp8:1 120" in single and "HS_GPUS" not in single
+    assert "fork upstream fp8:2 120" in single and "HS_GPUS" not in single
+    assert "HS_CELL_S=600" in single
     assert "HS_GPUS=0,1 HS_CELL_S=600" in tp and "tp2:1 120" in tp
     # each half's list selects exactly its cells of the slice
     d = tmp_path / "out"
