@@ -1865,11 +1865,20 @@ def slice_cells(name: str) -> list[Cell]:
         # compiled graph (off: NCCL), and inductor's horizontal fusion, which
         # vLLM turns on with a benchmark choosing what to fuse (a choice that
         # can differ per process: the reference, the prefill and the
-        # candidate each compile their own graph)
+        # candidate each compile their own graph). Neither was it: without
+        # a drafter, with either one off, the compiled TP=2 target differed
+        # from TP=1 from the first generated token, on both variants, with
+        # the same numbers. Compiled, every custom op runs its native
+        # PyTorch version (custom_ops "none"), where eager runs the kernels
+        # ("all"); the fixture's one Mamba2 group is replicated on both
+        # ranks, and its gated RMSNorm all-reduces its sums of squares in
+        # the native version. The next probe compiles with the eager run's
+        # kernels: it tells a native op under TP from inductor itself
         tp, fp = {"tensor_parallel_size": 2}, "full_and_piecewise"
         nccl = {**tp, "disable_custom_all_reduce": True}
         nocombo = {**tp, "compilation_config": {
             "inductor_compile_config": {"combo_kernels": False}}}  # fmt: skip
+        allops = {**tp, "compilation_config": {"custom_ops": ["all"]}}
         nh = "nemotron_h"
         return [
             Cell(nh, "none", 0, 8, "default", graphs=fp, extra=tp),
@@ -1884,6 +1893,9 @@ def slice_cells(name: str) -> list[Cell]:
             Cell(nh, "none", 0, 8, "default", graphs=fp, extra=nocombo),
             Cell(nh, "mtp", 3, 8, "default", graphs=fp, async_sched=True,
                  extra=nocombo),
+            Cell(nh, "none", 0, 8, "default", graphs=fp, extra=allops),
+            Cell(nh, "mtp", 3, 8, "default", graphs=fp, async_sched=True,
+                 extra=allops),
         ]  # fmt: skip
     if name == "families" or name.startswith("families-"):
         return family_cells(name.removeprefix("families").lstrip("-") or "all")

@@ -1067,7 +1067,12 @@ def test_tp2_probe_slice_tells_compilation_from_speculation():
     target compiled without speculation (with full and piecewise graphs, and
     without graphs), n-gram compiled without graphs, with piecewise graphs
     and with both (the diverging cell)."""
-    from harness.equivalence import engine_kwargs, slice_cells, spec_config
+    from harness.equivalence import (
+        engine_kwargs,
+        reference_parallel,
+        slice_cells,
+        spec_config,
+    )
 
     cells = slice_cells("tp2-probe")
     assert {c.model for c in cells} == {"nemotron_h"}
@@ -1083,6 +1088,20 @@ def test_tp2_probe_slice_tells_compilation_from_speculation():
         assert kw["enforce_eager"] is (c.graphs == "eager")
         assert kw["compilation_config"]["cudagraph_mode"] == c.graphs.upper()
         assert (spec_config(c) is None) == (c.drafter == "none")
+    # compiled with the eager run's kernels (custom ops "all"), the target
+    # alone and with MTP; the MTP cell's reference compiles the same way
+    allops = [
+        c
+        for c in cells
+        if engine_kwargs(c, "/m", spec_config(c))["compilation_config"].get(
+            "custom_ops"
+        )
+        == ["all"]
+    ]
+    assert sorted(c.drafter for c in allops) == ["mtp", "none"]
+    assert all(c.graphs == "full_and_piecewise" for c in allops)
+    (mtp,) = [c for c in allops if c.drafter == "mtp"]
+    assert reference_parallel(mtp)["compilation_config"] == {"custom_ops": ["all"]}
 
 
 def test_speculative_tp2_cells_take_a_reference_at_their_own_tp_and_compilation(
@@ -1884,7 +1903,8 @@ def test_a_tp_cell_with_compilation_options_runs_and_shards(tmp_path, monkeypatc
     (cell,) = [
         replace(c, max_tokens=3, batch=2)
         for c in probe
-        if c.drafter == "mtp" and "compilation_config" in c.extra
+        if c.drafter == "mtp"
+        and "inductor_compile_config" in c.extra.get("compilation_config", {})
     ]
     forced_par = []
 
