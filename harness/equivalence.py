@@ -1870,9 +1870,9 @@ def slice_cells(name: str) -> list[Cell]:
         # from TP=1 from the first generated token, on both variants, with
         # the same numbers. Compiled, every custom op runs its native
         # PyTorch version (custom_ops "none"), where eager runs the kernels
-        # ("all"); the fixture's one Mamba2 group is replicated on both
-        # ranks, and its gated RMSNorm all-reduces its sums of squares in
-        # the native version. The next probe compiles with the eager run's
+        # ("all") (Mamba2's gated RMSNorm is not among the differences: with
+        # the fixture's one group at TP=2 it takes its native version in
+        # eager mode too). The next probe compiles with the eager run's
         # kernels: it tells a native op under TP from inductor itself
         tp, fp = {"tensor_parallel_size": 2}, "full_and_piecewise"
         nccl = {**tp, "disable_custom_all_reduce": True}
