@@ -129,6 +129,12 @@ def markdown(rs: list[dict], docs: list[dict], baseline: str | None, run: str) -
         f"speculative_config `{json.dumps(eng.get('speculative_config'))}`, "
         f"max_num_seqs {eng.get('max_num_seqs')}",
     ]
+    if any(d.get("config", {}).get("refill") for d in docs):
+        lines.append(
+            "- refilled runs (`--refill`): BS requests in flight, a finished "
+            "one's slot going to the next; their tok/s is every token over "
+            "every step until the last request is admitted"
+        )
     for d in docs:
         tq = d.get("turboquant") or {}
         eager = d["config"]["engine"].get("enforce_eager")

@@ -38,6 +38,18 @@ one whose computed tokens are still short of its prompt); prefill and mixed
 steps are excluded. Per batch size the latency statistics are taken over the
 full-batch decode steps (all BS requests in the step).
 
+``--refill``: instead of ``rounds`` closed batches of BS requests (each ends
+with its slowest request, which under speculation with per-request
+acceptance runs the tail alone), the ``rounds`` x BS requests are submitted
+at once and the scheduler keeps at most BS of them running, so a finished
+request's slot goes to the next one, as on a server at concurrency BS. The
+row's ``tokens_per_s`` is then the in-flight throughput: every token emitted
+over the time of every step, prefill rows of newcomers included, up to the
+step that admits the last request (the batch then drains). vLLM has no
+per-step knob for this; the cap is the in-process scheduler's own
+admission limit (``max_num_running_reqs``, and ``max_num_active_reqs``
+where the base has it), lowered for the run and restored.
+
 One JSON object per process, rewritten after each batch size.
 """
 
@@ -114,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=128, help="decode tokens per run")
     ap.add_argument("--warmup-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2, help="measured runs per BS")
+    ap.add_argument(
+        "--refill",
+        action="store_true",
+        help="submit rounds x BS requests at once with at most BS running "
+        "(a server at concurrency BS) instead of rounds closed batches",
+    )
     ap.add_argument("--prompt-len", type=_range, default=(256, 512), help="LO,HI")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -637,7 +655,55 @@ def _base_row(bs: int, a: argparse.Namespace, recs, wall: float, tokens) -> dict
     row["e2e_ms_per_step"] = (wall * 1e3 / len(recs)) if recs else None
     row["out_len_ok"] = all(len(t) == a.tokens for t in tokens)
     row["steps"] = compact_steps(recs)
+    if a.refill:
+        row.update(in_flight(recs))
     return row
+
+
+def in_flight(records: list[StepRecord]) -> dict:
+    """A refilled run's throughput: the tokens emitted over the time of every
+    step up to the last one that admits a request (a prefill row), mixed
+    steps included; after it the batch drains. Overrides ``tokens_per_s``
+    and says which steps it took (``in_flight_steps``)."""
+    admits = [i for i, r in enumerate(records) if r.prefill_rows]
+    window = records[: admits[-1] + 1] if admits else []
+    secs = sum(r.dt for r in window)
+    return {
+        "refill": True,
+        "in_flight_steps": len(window),
+        "tokens_per_s": (sum(r.out_tokens for r in window) / secs) if secs else None,
+    }
+
+
+@contextlib.contextmanager
+def concurrency_cap(llm, bs: int):
+    """At most ``bs`` requests running in the in-process engine's scheduler
+    for the duration (``--refill``)."""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    names = [n for n in ("max_num_running_reqs", "max_num_active_reqs")
+             if hasattr(sched, n)]  # fmt: skip
+    if "max_num_running_reqs" not in names:
+        raise BenchError("--refill: the scheduler has no max_num_running_reqs")
+    saved = {n: getattr(sched, n) for n in names}
+    for n in names:
+        setattr(sched, n, min(bs, saved[n]))
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(sched, n, v)
+
+
+def _measured_prompts(a: argparse.Namespace, bs: int, seed_round: int):
+    """The prompts of one measured run: BS, or with ``--refill`` all rounds'
+    ``rounds`` x BS at once."""
+    lo, hi = a.prompt_len
+    n = bs * a.rounds if a.refill else bs
+    return make_prompts(n, lo, hi, prompt_seed(a.seed, bs, seed_round))
+
+
+def _cap(llm, a: argparse.Namespace, bs: int):
+    return concurrency_cap(llm, bs) if a.refill else contextlib.nullcontext()
 
 
 def measure_plain(llm, meter: StepMeter, a: argparse.Namespace, bs: int) -> dict:
@@ -652,9 +718,12 @@ def measure_plain(llm, meter: StepMeter, a: argparse.Namespace, bs: int) -> dict
     recs: list[StepRecord] = []
     tokens: list[list[int]] = []
     wall = 0.0
-    for r in range(a.rounds):
-        prompts = make_prompts(bs, lo, hi, prompt_seed(a.seed, bs, 1 + r))
-        toks, rr, w = timed_generate(llm, meter, prompts, make_sampling(kind, a.tokens))
+    for r in range(1 if a.refill else a.rounds):
+        prompts = _measured_prompts(a, bs, 1 + r)
+        with _cap(llm, a, bs):
+            toks, rr, w = timed_generate(
+                llm, meter, prompts, make_sampling(kind, a.tokens)
+            )
         recs += rr
         tokens += toks
         wall += w
@@ -699,15 +768,17 @@ def measure_scripted(llm, meter: StepMeter, a: argparse.Namespace, bs: int) -> d
 
     if not scripted.INSTANCES:
         raise RuntimeError("the scripted proposer was not instantiated in-process")
-    lo, hi = a.prompt_len
     k, n = a.scripted_k, a.tokens
     vocab = model_vocab()
-    prompts = make_prompts(bs, lo, hi, prompt_seed(a.seed, bs, 1))
+    # with --refill every pass runs all rounds' requests under the cap, so
+    # that the references come from the batches the measured run meets
+    prompts = _measured_prompts(a, bs, 1)
     greedy = make_sampling("greedy", n)
     scripted.activate(None)
-    refs, ref_recs, _ = timed_generate(
-        llm, meter, prompts, make_sampling("greedy", n + k + 2)
-    )
+    with _cap(llm, a, bs):
+        refs, ref_recs, _ = timed_generate(
+            llm, meter, prompts, make_sampling("greedy", n + k + 2)
+        )
     traces = None
     if a.trace:
         from harness.traces import load
@@ -732,7 +803,8 @@ def measure_scripted(llm, meter: StepMeter, a: argparse.Namespace, bs: int) -> d
     history = []
     for _ in range(a.ref_iters):
         plan = scripted.activate(make_plan())
-        outs, _, _ = timed_generate(llm, meter, prompts, greedy)
+        with _cap(llm, a, bs):
+            outs, _, _ = timed_generate(llm, meter, prompts, greedy)
         mismatched = sum(o != r[:n] for o, r in zip(outs, refs, strict=True))
         history.append({"mismatched_rows": mismatched, **plan.summary()})
         refs = [o + r[n:] for o, r in zip(outs, refs, strict=True)]
@@ -743,9 +815,12 @@ def measure_scripted(llm, meter: StepMeter, a: argparse.Namespace, bs: int) -> d
     wall = 0.0
     plans = []
     try:
-        for r in range(a.rounds):
+        # with --refill one run holds every round's requests (row r replays
+        # trace r, as round r // BS's row r % BS does without it)
+        for r in range(1 if a.refill else a.rounds):
             plan = scripted.activate(make_plan(r))
-            toks, rr, w = timed_generate(llm, meter, prompts, greedy)
+            with _cap(llm, a, bs):
+                toks, rr, w = timed_generate(llm, meter, prompts, greedy)
             recs += rr
             tokens += toks
             wall += w
@@ -851,6 +926,7 @@ def run(a: argparse.Namespace) -> int:
         "tokens": a.tokens,
         "warmup_tokens": a.warmup_tokens,
         "rounds": a.rounds,
+        "refill": a.refill,
         "prompt_len": list(a.prompt_len),
         "batch_sizes": a.batch_sizes,
         "seed": a.seed,

@@ -35,7 +35,8 @@
 #       draft_length_policy="acceptance" cutting the same drafts
 #       (REPLAY_POLICY=0: not; REPLAY_VARIANTS=fork: the fork alone); speedups
 #       over no speculation
-#       (benchmarks.configs_report): $OUT/replay-<trace name>
+#       (benchmarks.configs_report): $OUT/replay-<trace name>;
+#       REPLAY_REFILL=1 keeps BS requests in flight instead of closed batches
 set -u
 R=$PWD
 OUT=${OUT:-$R/out}
@@ -116,6 +117,9 @@ from harness.traces import load
 print(max(1, min(64, max((d for t in load(sys.argv[1])[1] for d, _ in t), default=1))))" "$trace")
   bench=(--trace "$trace" --scripted-k "$k" --batch-sizes "${REPLAY_BS:-1,8,32,64}"
          --tokens "${REPLAY_TOKENS:-256}" --rounds "${REPLAY_ROUNDS:-4}")
+  # REPLAY_REFILL=1: the rounds' requests in flight at once, at most BS
+  # running (decode_latency --refill), in place of closed batches
+  [[ -n ${REPLAY_REFILL:-} ]] && bench+=(--refill)
   in_variant fork python3 -m benchmarks.side_by_side --modes "${REPLAY_MODES:-none,scripted70}" \
     --variants "${REPLAY_VARIANTS:-fork,upstream}" --out "$OUT/replay-$name" --run "trace-$name" --deadline $((end - SECONDS)) \
     -- "${bench[@]}"

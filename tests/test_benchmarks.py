@@ -895,7 +895,9 @@ class FakeLLM:
         class InprocClient:
             def __init__(self):
                 self.engine_core = SimpleNamespace(
-                    scheduler=SimpleNamespace(schedule=lambda *a, **kw: None)
+                    scheduler=SimpleNamespace(
+                        schedule=lambda *a, **kw: None, max_num_running_reqs=64
+                    )
                 )
 
             def get_output(self):
@@ -908,9 +910,14 @@ class FakeLLM:
 
     def _schedule(self, *_a, **_kw):
         reqs = self.reqs
+        # the scheduler's admission limit: running requests first (they were
+        # submitted first), new ones while there is room
+        cap = self.client.engine_core.scheduler.max_num_running_reqs
         n_sched, spec, new, cached = {}, {}, [], []
         for rid, r in reqs.items():
             if r["done"]:
+                continue
+            if not r["out"] and len(n_sched) >= cap:
                 continue
             if not r["out"]:
                 n_sched[rid] = len(r["prompt"])
@@ -1011,6 +1018,53 @@ def test_measure_scripted_on_a_fake_engine():
     assert 0.5 < row["acceptance"] < 0.9
     assert row["out_len_ok"] and row["drafts_scheduled"] > 0
     assert row["prefill_steps"] == 1 and row["tokens_per_step"] > 2.0
+
+
+def test_refill_keeps_bs_requests_in_flight_and_restores_the_cap():
+    from benchmarks import configs_report as cr
+
+    llm = FakeLLM()
+    meter = dl.StepMeter(llm)
+    a = _args("none", "--rounds", "2", "--refill")
+    row = dl.measure_plain(llm, meter, a, bs=3)
+    # 6 requests, at most 3 running: 40 steps each wave (1 prefill + 39
+    # decode), the second wave admitted when the first has finished
+    steps = row["steps"]
+    assert max(s[1] for s in steps) == 3 and len(steps) == 80
+    assert row["refill"] and row["in_flight_steps"] == 41
+    assert row["decode_tokens"] == 6 * 39 and row["out_len_ok"]
+    doc = {"schema": dl.SCHEMA, "mode": "none", "variant": "fork", "status": "ok",
+           "config": {"engine": {}, "refill": True}, "results": [row]}  # fmt: skip
+    md = cr.markdown(cr.rows([doc], None), [doc], None, "t")
+    assert "refilled runs (`--refill`)" in md
+    sched = llm.client.engine_core.scheduler
+    assert sched.max_num_running_reqs == 64  # restored after the run
+    # without the flag: 2 closed batches of 3, no in-flight figure
+    row = dl.measure_plain(llm, meter, _args("none", "--rounds", "2"), bs=3)
+    assert "in_flight_steps" not in row and "refill" not in row
+
+
+def test_refill_with_scripted_drafts_admits_requests_beside_running_ones():
+    k = 4
+    llm = FakeLLM(k=k, use_scripted=True)
+    scripted.INSTANCES.append("placeholder")
+    try:
+        meter = dl.StepMeter(llm)
+        a = _args("scripted70", "--rounds", "2", "--ref-iters", "6", "--refill")
+        row = dl.measure_scripted(llm, meter, a, bs=4)
+    finally:
+        scripted.INSTANCES.remove("placeholder")
+    steps = row["steps"]
+    assert max(s[1] for s in steps) == 4
+    # rows accept differently and finish apart: a newcomer's prefill row
+    # runs beside decode rows (a mixed step), which closed batches never do
+    assert any(s[2] and s[1] > s[2] for s in steps)
+    assert row["reference_converged"] and row["proposer"][0]["mismatched_rows"] == 0
+    assert row["out_len_ok"] and len(row["proposer"]) == 1
+    window = steps[: row["in_flight_steps"]]
+    assert row["tokens_per_s"] == pytest.approx(
+        sum(s[5] for s in window) * 1e3 / sum(s[0] for s in window), rel=0.02
+    )
 
 
 def test_measure_scripted_needs_the_proposer():
