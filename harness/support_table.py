@@ -94,9 +94,10 @@ CACHE_MODES = ("none", "align", "all")
 # status -> word; the order in which an entry lists them
 WORDS = {"ok": "identical", "diverged": "diverged",
          "inconclusive": "inconclusive", "tp1": "judged against TP=1",
+         "control": "target drift (no drafter)",
          "error": "errored", "rejected": "refused"}  # fmt: skip
 # statuses a total names only where a cell has them
-OPTIONAL = ("inconclusive", "tp1")
+OPTIONAL = ("inconclusive", "tp1", "control")
 SUPER = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
 BEGIN = re.compile(r"<!-- support-table BEGIN line=(\S+) dir=(\S+) -->\n")
 END = "<!-- support-table END -->"
@@ -125,13 +126,20 @@ def status(cell: dict) -> str:
     diverged against a reference at another TP (the eager TP=1 one) is
     "tp1", not "diverged": a compiled target at TP=2 differs from TP=1
     without speculation, so such a verdict is the base's, not
-    speculation's (``TP1_REFERENCE``)."""
-    if (
+    speculation's (``TP1_REFERENCE``). A drafter "none" control that
+    diverged by drift alone (no token differs) is "control": the target
+    under the engine of the cells it controls drifts from the eager
+    reference by itself (``CONTROL_DRIFT``), which the oracle then takes as
+    those cells' floor; it says nothing about speculation."""
+    if cell["status"] == "diverged" and tp_of(cell) > 1:
+        if (cell.get("reference_tp") or 1) != tp_of(cell):
+            return "tp1"
+    elif (
         cell["status"] == "diverged"
-        and tp_of(cell) > 1
-        and (cell.get("reference_tp") or 1) != tp_of(cell)
+        and cell.get("drafter") == "none"
+        and not cell.get("divergences")
     ):
-        return "tp1"
+        return "control"
     return cell["status"]
 
 
@@ -409,14 +417,14 @@ def _table(report_dir: Path, line: str, base: Path | None, also: Sequence[Path])
     def mark(c: dict) -> str:
         if status(c) == "tp1":
             why = TP1_REFERENCE
+        elif status(c) == "control":
+            why = CONTROL_DRIFT
         elif c["status"] in ("error", "rejected"):
             why = reason(c)
         elif c["status"] == "inconclusive":
             why = INCONCLUSIVE
         elif c["status"] == "diverged" and not c.get("divergences"):
-            if c["drafter"] == "none":
-                why = CONTROL_DRIFT
-            elif _before_control_floor(c):
+            if _before_control_floor(c):
                 why = DRIFT_ONLY
             else:
                 return ""

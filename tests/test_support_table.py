@@ -514,7 +514,17 @@ def test_a_cell_diverged_by_drift_alone_says_so(tmp_path):
         "MRV2: none 1 **diverged**; align not run"
     )
     no_mrv2 = "; align not run<br>MRV2: not run"
-    assert t[q, "no drafter (control)"] == "V1: none 1 **diverged**²" + no_mrv2
+    # the control is counted apart from the diverged cells: no token
+    # differs, and its drift is the target's under that engine
+    assert t[q, "no drafter (control)"] == (
+        "V1: none 1 target drift (no drafter)²" + no_mrv2
+    )
     assert t[q, "n-gram"] == "V1: none 1 **diverged**" + no_mrv2
     notes = [x for x in md.splitlines() if x.startswith("- ")]
     assert notes == [f"- ¹ {st.DRIFT_ONLY}.", f"- ² {st.CONTROL_DRIFT}."]
+    assert "(0 identical, 4 diverged, 1 target drift (no drafter), 0 errored" in md
+    # a control that flipped tokens is a divergence like any other
+    fork[2]["divergences"] = 3
+    (d / "a-fork.json").write_text(json.dumps(fork))
+    t = parse(st.table(d, base=d.parent))
+    assert t[q, "no drafter (control)"] == "V1: none 1 **diverged**" + no_mrv2
