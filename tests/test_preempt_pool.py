@@ -16,6 +16,9 @@ both fixtures have three Mamba groups beside one attention group. The pools
 the hook gives here (84 and 82 blocks for the n-gram cells before their
 slack changed) are the ones in those engines' logs.
 
+The same driver checks that ``decode_latency --refill``'s cap holds vLLM's
+scheduler to BS running requests.
+
 Hand-written: vLLM's scheduler tests build their own small configs
 (tests/v1/core/utils.py, not in the released package); this drives the
 scheduler the same way with the hybrid groups and the harness's pool.
@@ -74,6 +77,15 @@ def _preemptions() -> list[dict]:
 def _run(bs, k, seqs, override, prompts, max_tokens):
     """(pool blocks, requests preempted, requests finished) of ``prompts``
     decoding ``max_tokens`` each, ``seqs`` at a time, one token a step."""
+    sched, kvc, hasher = _scheduler(bs, k, seqs, override)
+    preempted, finished, _ = _drive(sched, hasher, prompts, max_tokens)
+    return kvc.num_blocks, preempted, finished
+
+
+def _scheduler(bs, k, seqs, override):
+    """vLLM's scheduler over the harness's pool for a cell of attention
+    block size ``bs``, n-gram k, ``max_num_seqs`` ``seqs``: (scheduler, its
+    KV cache config, the request block hasher)."""
     import inspect
     import tempfile
 
@@ -87,7 +99,6 @@ def _run(bs, k, seqs, override, prompts, max_tokens):
         SpeculativeConfig,
         VllmConfig,
     )
-    from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import (
         get_request_block_hasher,
@@ -97,8 +108,6 @@ def _run(bs, k, seqs, override, prompts, max_tokens):
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
     from harness import fuzz_pool
@@ -155,19 +164,30 @@ def _run(bs, k, seqs, override, prompts, max_tokens):
                       block_size=block, hash_block_size=hash_block,
                       log_stats=True)  # fmt: skip
     init_none_hash(sha256)
-    hasher = get_request_block_hasher(bs, sha256)
+    return sched, kvc, get_request_block_hasher(bs, sha256)
+
+
+def _drive(sched, hasher, prompts, max_tokens):
+    """Add ``prompts`` and step ``sched`` until they finish, one token a
+    step: (requests preempted, requests finished, the most requests running
+    after any step)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
     for i, p in enumerate(prompts):
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         sp.update_from_generation_config({}, 2)
         sched.add_request(Request(request_id=str(i), prompt_token_ids=p,
                                   sampling_params=sp, pooling_params=None,
                                   block_hasher=hasher))  # fmt: skip
-    preempted = steps = 0
+    preempted = steps = most = 0
     # a hang guard only: each step decodes a token of every running request
     bound = 100 * len(prompts) * max_tokens
     while sched.get_num_unfinished_requests() and steps < bound:
         out = sched.schedule()
         steps += 1
+        most = max(most, len(sched.running))
         preempted += len(getattr(out, "preempted_req_ids", None) or ())
         ids = list(out.num_scheduled_tokens)
         sampled = []
@@ -182,4 +202,36 @@ def _run(bs, k, seqs, override, prompts, max_tokens):
                               sampled_token_ids=sampled),
         )  # fmt: skip
     finished = len(prompts) - sched.get_num_unfinished_requests()
-    return kvc.num_blocks, preempted, finished
+    return preempted, finished, most
+
+
+def test_refill_cap_holds_vllms_scheduler_to_bs_running():
+    """``decode_latency --refill`` keeps BS requests in flight by lowering
+    the in-process scheduler's own admission limit; vLLM's scheduler, with
+    ``max_num_seqs`` 16 and a pool that holds all 12 requests at once
+    (which it then runs together), runs at most 4 at once, all finish, and
+    the limit is back at 16 afterwards."""
+    pytest.importorskip("vllm")
+    from conftest import in_cpu_testbed
+
+    got = in_cpu_testbed(__file__, "_refilled")
+    assert got == {"most": 4, "finished": 12, "restored": True}
+
+
+def _refilled() -> dict:
+    from types import SimpleNamespace
+
+    from benchmarks.decode_latency import concurrency_cap
+    from harness.equivalence import make_prompts
+
+    # a pool that holds all 12 at once (2,000 blocks): without the cap
+    # vLLM runs all of them together
+    sched, _, hasher = _scheduler(80, 4, 16, 2000)
+    before = {n: getattr(sched, n) for n in ("max_num_running_reqs",
+              "max_num_active_reqs") if hasattr(sched, n)}  # fmt: skip
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(
+        engine_core=SimpleNamespace(scheduler=sched))))  # fmt: skip
+    with concurrency_cap(llm, 4):
+        _, finished, most = _drive(sched, hasher, make_prompts(12, 0, lo=24, hi=60), 8)
+    after = {n: getattr(sched, n) for n in before}
+    return {"most": most, "finished": finished, "restored": after == before}
