@@ -47,8 +47,7 @@ def rows(docs: list[dict], baseline: str | None) -> list[dict]:
     several = len({v for _, v, _ in cells}) > 1
 
     def mean(rs: list[dict], key: str) -> float | None:
-        xs = [r[key] for r in rs if r.get(key) is not None]
-        return statistics.fmean(xs) if xs else None
+        return _mean([r.get(key) for r in rs])
 
     out = []
     for (label, variant, bs), rs in sorted(cells.items()):

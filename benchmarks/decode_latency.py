@@ -664,12 +664,12 @@ def in_flight(records: list[StepRecord]) -> dict:
     """A refilled run's throughput: the tokens emitted over the time of every
     step up to the last one that admits a request (a prefill row), mixed
     steps included; after it the batch drains. Overrides ``tokens_per_s``
-    and says which steps it took (``in_flight_steps``)."""
+    and says which steps it took (``in_flight_steps``); the JSON's
+    ``config.refill`` says the run was refilled."""
     admits = [i for i, r in enumerate(records) if r.prefill_rows]
     window = records[: admits[-1] + 1] if admits else []
     secs = sum(r.dt for r in window)
     return {
-        "refill": True,
         "in_flight_steps": len(window),
         "tokens_per_s": (sum(r.out_tokens for r in window) / secs) if secs else None,
     }
