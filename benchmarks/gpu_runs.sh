@@ -51,7 +51,7 @@ profile)
   ((${#args[@]})) || args=(--mode ngram_nomatch --batch-sizes 1,64 --tokens 96)
   python3 -c "
 from benchmarks.side_by_side import ensure_upstream_site, series
-print('upstream site:', ensure_upstream_site('/tmp/hybridspec/site', '/tmp/upstream-site', series('$PATCHES')))"
+print('upstream site:', ensure_upstream_site('$BUNDLE_SITE', '$(_site_dir upstream)', series('$PATCHES')))"
   for v in ${PROFILE_ORDER:-fork upstream}; do
     in_variant "$v" python3 -m benchmarks.step_profile \
       --variant "$v" --out "$OUT/profile-$v" -- "${args[@]}" \

@@ -80,8 +80,8 @@ else
   # upstream_site.sh sourced env.sh again: this checkout first again
   export PYTHONPATH="$R:$PYTHONPATH"
   fp() { grep -q "def mark_zero_draft_decodes" "$1/vllm/v1/spec_decode/utils.py" 2>/dev/null && echo 1 || echo 0; }
-  FP_FORK=$(fp /tmp/hybridspec/site)
-  FP_UP=$(fp /tmp/upstream-site)
+  FP_FORK=$(fp "$BUNDLE_SITE")
+  FP_UP=$(fp "$(_site_dir upstream)")
   echo "[gpu_serve_bench] fork patches present: fork site $FP_FORK, upstream site $FP_UP"
   if [[ $FP_FORK != 1 || $FP_UP != 0 ]]; then
     echo "gpu_serve_bench: the sites are not fork / upstream as expected" >&2

@@ -85,8 +85,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--out", default=os.environ.get("OUT") or "out")
     ap.add_argument("--run", default="decode-latency", help="report name")
-    ap.add_argument("--fork-site", default="/tmp/hybridspec/site")
-    ap.add_argument("--upstream-site", default="/tmp/upstream-site")
+    # the line's install and its variant sites (harness/upstream_site.sh
+    # exports both; another line installed beside the first has its own)
+    home = os.environ.get("HS_HOME", "/tmp/hybridspec")
+    sites = os.environ.get("HS_SITE_ROOT", "/tmp")
+    ap.add_argument("--fork-site", default=os.path.join(home, "site"))
+    ap.add_argument("--upstream-site", default=os.path.join(sites, "upstream-site"))
     ap.add_argument(
         "--patches",
         default=None,

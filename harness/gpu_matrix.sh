@@ -9,7 +9,8 @@
 # SLICE-VARIANT-I-of-S.json; harness.full_matrix summarize merges them).
 # The processes go round-robin over the host's GPUs (harness/gpu_slots.sh).
 #
-# Needs the bundle installed at /tmp/hybridspec (hsfork/install_bundle.sh).
+# Needs the bundle installed at $HS_HOME (/tmp/hybridspec; see
+# harness/upstream_site.sh for a second line beside it).
 # The upstream tree is the fork's site with the patch series reversed.
 # Reports go to $OUT/equivalence, logs to $OUT/logs, both packed at the end
 # into $OUT/equivalence-HHMMSS.tgz (HS_PACK=0: left as files).

@@ -32,7 +32,7 @@ VARIANTS=${1:-fork upstream}
 DEADLINE=${2:-300}
 OUT=${OUT:-$R/out}
 mkdir -p "$OUT"
-LINE=${HS_LINE:-$(python3 -c 'import json; print("v" + json.load(open("/tmp/hybridspec/manifest.json"))["version"].split("+")[0])')}
+LINE=${HS_LINE:-$(python3 -c 'import json, sys; print("v" + json.load(open(sys.argv[1]))["version"].split("+")[0])' "${HS_HOME:-/tmp/hybridspec}/manifest.json")}
 OWED=${HS_OWED:-$OUT/owed-$LINE.jsonl}
 if [ -z "${HS_OWED:-}" ]; then
   python3 -m harness support-table --line "$LINE" --readme "$R/README.md" --owed > "$OWED" || exit 1

@@ -11,12 +11,25 @@
 # repository's series to a copy: one bundle then serves every revision of
 # the series. A bundle with the series in it is the fork site, and the
 # upstream sites are made by reversing patches.
-# Needs the bundle installed at /tmp/hybridspec and R = the repo root.
+# Needs the bundle installed at $HS_HOME (/tmp/hybridspec) and R = the repo
+# root.
+#
+# Two lines on one host at once: the other line's bundle installed beside
+# the first (hsfork/gpu_stage.sh with HS_TARGET=/tmp/hybridspec-33), and its
+# scripts started with HS_HOME=/tmp/hybridspec-33. Its variant sites and
+# vLLM caches then go under $HS_HOME-sites (HS_SITE_ROOT), apart from the
+# default line's under /tmp, so neither line's processes see the other's.
+HS_HOME=${HS_HOME:-/tmp/hybridspec}
+if [[ -z ${HS_SITE_ROOT:-} ]]; then
+  if [[ $HS_HOME == /tmp/hybridspec ]]; then HS_SITE_ROOT=/tmp; else HS_SITE_ROOT=$HS_HOME-sites; fi
+fi
+export HS_HOME HS_SITE_ROOT
+mkdir -p "$HS_SITE_ROOT"
 # shellcheck disable=SC1091
-source /tmp/hybridspec/env.sh
+source "$HS_HOME/env.sh"
 # the series of the bundle's line (env.sh sets HSFORK_BASE)
 PATCHES=${PATCHES:-$(cd "$R" && python3 -c 'from hsfork.common import patches_dir; print(patches_dir())')}
-BUNDLE_SITE=/tmp/hybridspec/site
+BUNDLE_SITE=$HS_HOME/site
 BUNDLE_PATCHES=$(python3 -c '
 import json, re, sys
 try:
@@ -24,12 +37,12 @@ try:
 except OSError:
     v = ""
 m = re.search(r"\+hybridspec\.p(\d+)", v)
-print(m[1] if m else -1)' /tmp/hybridspec/manifest.json)
+print(m[1] if m else -1)' "$HS_HOME/manifest.json")
 _site_dir() {
   case $1 in
-    fork) if ((BUNDLE_PATCHES == 0)); then echo /tmp/fork-site; else echo $BUNDLE_SITE; fi ;;
-    upstream) if ((BUNDLE_PATCHES == 0)); then echo $BUNDLE_SITE; else echo /tmp/upstream-site; fi ;;
-    *) echo "/tmp/site-$1" ;;
+    fork) if ((BUNDLE_PATCHES == 0)); then echo "${HS_SITE_ROOT:-/tmp}/fork-site"; else echo "$BUNDLE_SITE"; fi ;;
+    upstream) if ((BUNDLE_PATCHES == 0)); then echo "$BUNDLE_SITE"; else echo "${HS_SITE_ROOT:-/tmp}/upstream-site"; fi ;;
+    *) echo "${HS_SITE_ROOT:-/tmp}/site-$1" ;;
   esac
 }
 _wanted() {  # is series entry $2 part of variant $1?
@@ -72,7 +85,7 @@ make_upstream_site() { make_site "$@"; }
 # not every file a patch changes, so one variant could load the graph another
 # compiled (seen on v0.33.0: the fork loaded upstream's EAGLE-3 backbone,
 # compiled for other aux layers, and failed with upstream's error).
-variant_cache() { echo "${HS_VLLM_CACHE:-/tmp/vllm-cache}/${1//+/-with-}"; }
+variant_cache() { echo "${HS_VLLM_CACHE:-${HS_SITE_ROOT:-/tmp}/vllm-cache}/${1//+/-with-}"; }
 # The environment a variant's process runs in (for env; paths without
 # blanks): its cache, and its site on PYTHONPATH (after the prefix $2, if
 # given). Every GPU script starts a variant's process this way.
@@ -94,11 +107,11 @@ in_variant() {
 # every process); a slice named flashinfer* then gets that folder first on
 # its own PYTHONPATH (`slice_path`), so that it runs beside the others in
 # one call instead of turning FlashInfer on for all of them.
-FLASHINFER_DIR=/tmp/hybridspec/flashinfer-off
+FLASHINFER_DIR=$HS_HOME/flashinfer-off
 flashinfer_for() {
   local mode=off
   [[ ${HS_FLASHINFER:-0} == 1 ]] && mode=on
-  [ -d /tmp/hybridspec/deps ] && bash "$R/hsfork/flashinfer_toggle.sh" "$mode"
+  [ -d "$HS_HOME/deps" ] && bash "$R/hsfork/flashinfer_toggle.sh" "$mode" "$HS_HOME/deps"
   return 0
 }
 # slice_path SLICE: the PYTHONPATH prefix of a slice's processes

@@ -15,6 +15,8 @@
 # NEW_TARGET; env.sh there names the folder it was installed into, so it
 # stays valid. A second switch, from a link, removes the link instead; a
 # switch back to a parked install brings its sites back too.
+# To run both lines at once instead, start the second line's scripts with
+# HS_HOME=NEW_TARGET (harness/upstream_site.sh); no switch is needed then.
 # Exit 4, moving nothing, while a background job of hsfork/gpu_bg.sh runs:
 # its next engine would import the other line. Why by hand: the paths are
 # this project's own; a switch is the five moves a session did by hand.

@@ -76,3 +76,55 @@ def test_switch_wants_an_installed_bundle(tmp_path: Path):
     (tmp_path / "empty").mkdir()
     proc = _switch(tmp_path, tmp_path / "empty")
     assert proc.returncode == 2 and "holds no installed bundle" in proc.stderr
+
+
+def test_a_second_line_runs_from_its_own_home(tmp_path: Path):
+    """HS_HOME (harness/upstream_site.sh): a line installed beside the
+    default one runs at the same time from its own install. Its env.sh, its
+    manifest (how many patches the site carries), its variant sites, its vLLM
+    caches and its FlashInfer folder are all its own; nothing points at
+    /tmp/hybridspec or the default line's sites under /tmp."""
+    home = tmp_path / "hybridspec-33"
+    _install(home, "0.33.0+hybridspec.p28.abc")
+    (home / "env.sh").write_text(
+        f"export HSFORK_BASE=0.33.0 PYTHONPATH={home}/site:{home}/deps\n"
+    )
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    (patches / "series").write_text("")
+    script = "\n".join(
+        [
+            f"R={REPO}; PATCHES={patches}",
+            f"source {REPO}/harness/upstream_site.sh",
+            'echo "$HS_SITE_ROOT"; echo "$BUNDLE_PATCHES"',
+            "_site_dir fork; _site_dir upstream; _site_dir upstream+0001",
+            "variant_cache upstream; echo $FLASHINFER_DIR",
+            "site_pythonpath upstream",
+        ]
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HS_")}
+    env["HS_HOME"] = str(home)
+    out = run_until_done(
+        ["bash", "-c", script], what="upstream_site.sh", env=env
+    ).stdout.splitlines()
+    sites = f"{home}-sites"
+    assert out == [
+        sites,
+        "28",
+        f"{home}/site",
+        f"{sites}/upstream-site",
+        f"{sites}/site-upstream+0001",
+        f"{sites}/vllm-cache/upstream",
+        f"{home}/flashinfer-off",
+        f"{REPO}:{sites}/upstream-site:{home}/deps",
+    ]
+    assert Path(sites).is_dir()
+    # the benchmarks' side-by-side runner takes the same sites
+    from benchmarks.side_by_side import parse_args
+
+    os.environ.update(HS_HOME=str(home), HS_SITE_ROOT=sites)
+    try:
+        a = parse_args(["--modes", "none"])
+    finally:
+        del os.environ["HS_HOME"], os.environ["HS_SITE_ROOT"]
+    assert (a.fork_site, a.upstream_site) == (f"{home}/site", f"{sites}/upstream-site")
