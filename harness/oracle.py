@@ -143,25 +143,40 @@ class PositionDrift:
     # (drift, magnitude) of every entry both sides returned: the emitted
     # token and the top-k union (``Floor.at``)
     entries: tuple[tuple[float, float], ...] = ()
+    # the entry behind ``topk``: (token, candidate's value, reference's
+    # value), None where that side did not return the token (its k-th value
+    # bounded the drift), and each side's rank of it (0 = top-1; None: not
+    # in that side's top-k). Empty when the emitted token is the worst.
+    topk_entry: tuple = ()
+
+
+def _rank(top: list[tuple[int, float]], token: int) -> int | None:
+    return next((i for i, (t, _) in enumerate(top) if t == token), None)
+
+
+def _topk_worst(cand: LP, ref: LP, k: int) -> tuple[float, bool, float, tuple]:
+    """``_topk_drift``, and the entry behind the drift (``topk_entry``)."""
+    # any NaN in either dict (a NaN need not sort into the top-k)
+    if any(_bad(v) for v in (*cand.values(), *ref.values())):
+        return math.inf, True, 0.0, ()
+    top_c, top_r = _topk(cand, k), _topk(ref, k)
+    worst, mag, at = 0.0, 0.0, ()
+    if top_c and top_r:
+        kth_c, kth_r = top_c[-1][1], top_r[-1][1]
+        pairs = [(t, v, ref.get(t, kth_r), t in ref) for t, v in top_c]
+        pairs += [(t, v, cand.get(t, kth_c), t in cand) for t, v in top_r]
+        for t, v, other, both in pairs:
+            d = abs(v - other) if both else max(0.0, v - other)
+            if d > worst:
+                worst, mag = d, max(abs(v), abs(other))
+                at = (t, cand.get(t), ref.get(t), _rank(top_c, t), _rank(top_r, t))
+    return worst, {t for t, _ in top_c} != {t for t, _ in top_r}, mag, at
 
 
 def _topk_drift(cand: LP, ref: LP, k: int) -> tuple[float, bool, float]:
     """Largest proven drift over the union of both top-k sets, whether the
     sets differ, and the magnitude of the values behind that drift."""
-    # any NaN in either dict (a NaN need not sort into the top-k)
-    if any(_bad(v) for v in (*cand.values(), *ref.values())):
-        return math.inf, True, 0.0
-    top_c, top_r = _topk(cand, k), _topk(ref, k)
-    worst, mag = 0.0, 0.0
-    if top_c and top_r:
-        kth_c, kth_r = top_c[-1][1], top_r[-1][1]
-        pairs = [(v, ref.get(t, kth_r), t in ref) for t, v in top_c]
-        pairs += [(v, cand.get(t, kth_c), t in cand) for t, v in top_r]
-        for v, other, both in pairs:
-            d = abs(v - other) if both else max(0.0, v - other)
-            if d > worst:
-                worst, mag = d, max(abs(v), abs(other))
-    return worst, {t for t, _ in top_c} != {t for t, _ in top_r}, mag
+    return _topk_worst(cand, ref, k)[:3]
 
 
 def position_drift(cand: LP, ref: LP, token: int, k: int = TOPK) -> PositionDrift:
@@ -174,16 +189,16 @@ def position_drift(cand: LP, ref: LP, token: int, k: int = TOPK) -> PositionDrif
         return PositionDrift(math.inf, math.inf, True)
     tok = 0.0 if a == b else abs(a - b)
     tok_mag = max(abs(a), abs(b))
-    top, changed, top_mag = _topk_drift(cand, ref, k)
+    top, changed, top_mag, top_at = _topk_worst(cand, ref, k)
     if tok >= top:
-        top, top_mag = tok, tok_mag
+        top, top_mag, top_at = tok, tok_mag, ()
     shared = {token, *(t for t, _ in _topk(cand, k)), *(t for t, _ in _topk(ref, k))}
     entries = tuple(
         (abs(cand[t] - ref[t]), max(abs(cand[t]), abs(ref[t])))
         for t in sorted(shared)
         if t in cand and t in ref and math.isfinite(cand[t]) and math.isfinite(ref[t])
     )
-    return PositionDrift(tok, top, changed, tok_mag, top_mag, entries)
+    return PositionDrift(tok, top, changed, tok_mag, top_mag, entries, top_at)
 
 
 def sequence_drift(
@@ -414,6 +429,15 @@ class CellDrift:
                 "limit": _r(lim_tok),
                 "topk_limit": _r(lim_top),
             }
+            if d.topk_entry:
+                t, vc, vr, rc, rr = d.topk_entry
+                where["topk_entry"] = {
+                    "token": t,
+                    "candidate": None if vc is None else _r(vc),
+                    "reference": None if vr is None else _r(vr),
+                    "candidate_rank": rc,
+                    "reference_rank": rr,
+                }
             if ratio > worst_ratio:
                 worst_ratio, worst = ratio, where
             if d.token > lim_tok or d.topk > lim_top:

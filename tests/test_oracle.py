@@ -66,6 +66,8 @@ def test_position_drift_values_and_lower_bounds():
     # token 4: in cand's top-3 only, ref value <= ref's 3rd (-3.0): >= 0.5
     assert d.topk == pytest.approx(0.5)
     assert d.set_changed
+    # the entry behind it: token 4, absent from ref's dict, rank 2 in cand's
+    assert d.topk_entry == (4, -2.5, None, 2, None)
     same = oracle.position_drift(ref, ref, 2, k=3)
     assert (same.token, same.topk, same.set_changed) == (0.0, 0.0, False)
     nan = oracle.position_drift({1: float("nan"), 2: -1.0}, ref, 1, k=3)
@@ -90,6 +92,13 @@ def test_deep_tail_rounding_step_is_allowed_a_real_drift_is_not():
 
     assert judged({1: -0.01, 2: -5.0, 3: -40.375}) == 0
     assert judged({1: -0.01, 2: -5.0, 3: -41.0}) == 1
+    # the report names the entry that moved, its two values and ranks
+    cell = oracle.CellDrift()
+    cell.add(0, [{1: -0.01, 2: -5.0, 3: -41.0}], [ref], [1])
+    assert cell.judge(floor, "bfloat16")["first_drift"]["topk_entry"] == {
+        "token": 3, "candidate": -41.0, "reference": -40.0,
+        "candidate_rank": 2, "reference_rank": 2,
+    }  # fmt: skip
     # near zero the allowance is the floor alone: the emitted token's
     # log-probability may not move by a nat
     assert judged({1: -1.01, 2: -5.0, 3: -40.0}) == 1
