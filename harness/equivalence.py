@@ -1773,6 +1773,19 @@ def slice_cells(name: str) -> list[Cell]:
             Cell(q, "ngram", 5, 8, "default", "none", fp, extra=gdn3),
             Cell("qwen3_next", "mtp", 3, 8, "v1", "align", extra=fa3),
         ]  # fmt: skip
+    if name == "fa3-mtp-probe":
+        # The flashinfer slice's chunked fast-apply MTP cell (FA3 attention,
+        # Triton GDN prefill, align mode, graphs, async) stays over its top-k
+        # drift bar with no token changed, on fork and upstream alike: one
+        # runner-up entry at a near-certain position sits 4.25 nats closer
+        # to the top token (-10.84 against -15.09), the same value in every
+        # run. That slice runs with FlashInfer importable; this one does
+        # not (harness/upstream_site.sh, slice_path), so its first cell
+        # tells whether FlashInfer's presence is behind it. The second is
+        # the same cell without chunked prefill.
+        twin = next(c for c in slice_cells("flashinfer")
+                    if c.drafter == "mtp" and c.chunked)  # fmt: skip
+        return [twin, replace(twin, chunked=False)]
     if name == "fuzz-regressions":
         # the fuzzer's shrunk failing configurations (harness.fuzz), each
         # file's "cell": harness/regressions/*.json

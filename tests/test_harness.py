@@ -1062,6 +1062,30 @@ def test_mamba1_probe_rejects_every_draft_on_mamba1_and_a_mamba2_control():
     assert all(c.runner == "v1" for c in cells)
 
 
+def test_fa3_mtp_probe_is_the_flashinfer_cell_without_flashinfer(tmp_path):
+    """fa3-mtp-probe: the flashinfer slice's chunked MTP cell, key for key,
+    in a slice whose processes do not get FlashInfer (slice_path gives it to
+    flashinfer* slices only), and the same cell unchunked."""
+    import subprocess
+
+    from harness.equivalence import slice_cells
+
+    twin, unchunked = slice_cells("fa3-mtp-probe")
+    fi = [c for c in slice_cells("flashinfer") if c.key() == twin.key()]
+    assert len(fi) == 1 and twin.chunked and twin.drafter == "mtp"
+    assert unchunked.key() == {**twin.key(), "chunked": False}
+    repo = Path(__file__).resolve().parents[1]
+    lines = (repo / "harness/upstream_site.sh").read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("slice_path()"))
+    (tmp_path / "flashinfer").mkdir()
+    script = "\n".join(
+        [f"FLASHINFER_DIR={tmp_path}", *lines[start : start + 4],
+         'echo "$(slice_path flashinfer)|$(slice_path fa3-mtp-probe)"']
+    )  # fmt: skip
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert out.stdout.strip() == f"{tmp_path}|", out.stderr
+
+
 def test_tp2_probe_slice_tells_compilation_from_speculation():
     """NemotronH at tensor_parallel_size 2 against its eager reference: the
     target compiled without speculation (with full and piecewise graphs, and
