@@ -304,7 +304,8 @@ def _unstarted(got: dict, report_dir: Path, also: Sequence[Path] = ()) -> str:
     """ ", or one of the N cells ..." where the matrix's calls left fork cells
     without a result (``not_run``), else ""."""
     n = len(not_run(got, report_dir, also))
-    return (f", or one of the {n} cells a run left without a result (a "
+    which = "the one cell" if n == 1 else f"one of the {n} cells"
+    return (f", or {which} a run left without a result (a "
             "call's deadline, or model files missing on the host)"
             if n else "")  # fmt: skip
 

@@ -241,6 +241,13 @@ def test_unstarted_counts_only_slices_the_matrix_ran(tmp_path: Path):
         f", or one of the {len(smoke) - 1} cells a run left without a result "
         "(a call's deadline, or model files missing on the host)"
     )
+    # one cell left: said so, not "one of the 1 cells"
+    (tmp_path / "v1-smoke-fork.json").write_text(
+        json.dumps([{**c.key(), **done, **c.key()} for c in smoke[:-1]])
+    )
+    assert _unstarted(collect(tmp_path), tmp_path).startswith(
+        ", or the one cell a run left without a result"
+    )
 
 
 def test_not_run_lists_each_cell_left_without_a_result(tmp_path: Path, capsys):
