@@ -601,14 +601,33 @@ def _device(r: dict | None) -> dict:
     return {} if "error" in dev else dev
 
 
+def _column_labels(docs: list[dict]) -> list[str]:
+    """One column name per JSON: its variant, or variant/mode where two
+    JSONs share a variant (one install profiled in two modes), or the
+    JSON's position as well where those are equal too; a column keyed by
+    the variant alone kept only the last of them."""
+    labels = [str(d.get("variant")) for d in docs]
+    if len(set(labels)) < len(labels):
+        labels = [
+            f"{d.get('variant')}/{d['mode']}"
+            if d.get("mode")
+            else str(d.get("variant"))
+            for d in docs
+        ]
+    if len(set(labels)) < len(labels):
+        labels = [f"{lab} #{i + 1}" for i, lab in enumerate(labels)]
+    return labels
+
+
 def compare(paths: list[str]) -> str:
     """A table of host µs per step per method, variant by variant, with the
     device time per step and the floor where the JSONs have them."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
+    labels = _column_labels(docs)
     lines = []
     for bs in sorted({r["bs"] for d in docs for r in d.get("results", [])}):
-        rows = {d["variant"]: next((r for r in d["results"] if r["bs"] == bs), None)
-                for d in docs}  # fmt: skip
+        rows = {lab: next((r for r in d["results"] if r["bs"] == bs), None)
+                for lab, d in zip(labels, docs, strict=True)}  # fmt: skip
         names = sorted({m for r in rows.values() if r for m in r["methods"]})
         lines.append(f"## BS {bs}")
         lines.append("| | " + " | ".join(rows) + " |")

@@ -1230,6 +1230,15 @@ def test_step_profile_compare(tmp_path):
     assert "| runner.x µs/step | 30.0 | 20.0 |" in text
     assert "| median ms/step | 3.000 | 2.000 |" in text
     assert "runner.x returned: {'True': 2}" in text
+    # one install profiled in two modes: a column each, not the last alone
+    for mode, us in (("none", 1.0), ("scripted70", 8.0)):
+        row = {"bs": 1, "median_ms": us, "methods": {"runner.x": {"us_per_step": us}}}
+        doc = {"variant": "fork", "mode": mode, "results": [row]}
+        (tmp_path / f"{mode}.json").write_text(json.dumps(doc))
+    text = sp.compare([str(tmp_path / f"{m}.json") for m in ("none", "scripted70")])
+    assert "| | fork/none | fork/scripted70 |" in text
+    assert "| runner.x µs/step | 1.0 | 8.0 |" in text
+    assert sp.compare([paths[0], paths[0]]).count("| | fork #1 | fork #2 |") == 1
 
 
 def test_configs_report_rows_and_files(tmp_path):
