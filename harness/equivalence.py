@@ -2341,6 +2341,15 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(item, default=str))
         return
     print(json.dumps({"slice": a.slice, "cells": len(cells), **version}), flush=True)
+    need = sum(c.model == FASTAPPLY for c in cells)
+    if need and not (FASTAPPLY_DIR / "config.json").is_file():
+        # each such cell would fail at its engine's start with vLLM's
+        # "Invalid repository ID"; say what is missing once, before any
+        raise SystemExit(
+            f"{FASTAPPLY_DIR} holds no checkpoint, and {need} of the "
+            f"{len(cells)} cells run the fast-apply fixture: on a GPU host, "
+            "carry fixtures/ in every call that can start a matrix process"
+        )
     with tempfile.TemporaryDirectory(prefix="hsfork-eq-") as tmp:
         results = run_cells(cells, Path(tmp), a.prompts, a.seed, a.deadline)
     from .report import write_report

@@ -765,3 +765,25 @@ def test_a_failed_context_pass_leaves_the_plain_floor(monkeypatch, tmp_path):
     assert row["status"] == "diverged"
     assert "no chunked engine" in row["drift_context_floor_error"]
     assert "drift_context_floor" not in row
+
+
+def test_a_matrix_process_without_the_fastapply_fixture_stops_before_any_engine(
+    monkeypatch, tmp_path
+):
+    """A GPU call that did not carry fixtures/: the process says what is
+    missing and how many of its cells need it, and starts no engine (each
+    cell used to fail in its own engine start, 23-31 s apiece); a slice
+    without fast-apply cells runs as before."""
+    from harness import equivalence as eq
+
+    monkeypatch.setattr(eq, "FASTAPPLY_DIR", tmp_path / "nowhere")
+    started = []
+    monkeypatch.setattr(eq, "run_cells", lambda *a, **k: started.append(a) or [])
+    with pytest.raises(SystemExit, match="holds no checkpoint, and 2 of the 2"):
+        eq.main(["--slice", "fa3-mtp-probe", "--out", str(tmp_path)])
+    assert started == []
+    import harness.report
+
+    monkeypatch.setattr(harness.report, "write_report", lambda *a: {})
+    eq.main(["--slice", "mamba1-probe", "--out", str(tmp_path)])
+    assert len(started) == 1
