@@ -208,14 +208,14 @@ def _drive(sched, hasher, prompts, max_tokens):
 def test_refill_cap_holds_vllms_scheduler_to_bs_running():
     """``decode_latency --refill`` keeps BS requests in flight by lowering
     the in-process scheduler's own admission limit; vLLM's scheduler, with
-    ``max_num_seqs`` 16 and a pool that holds all 12 requests at once
-    (which it then runs together), runs at most 4 at once, all finish, and
-    the limit is back at 16 afterwards."""
+    ``max_num_seqs`` 16 and a pool that holds all 12 requests at once,
+    runs at most 4 at once under a cap of 4, all finish, and the limit is
+    back at 16 afterwards; without the cap it runs all 12 together."""
     pytest.importorskip("vllm")
     from conftest import in_cpu_testbed
 
     got = in_cpu_testbed(__file__, "_refilled")
-    assert got == {"most": 4, "finished": 12, "restored": True}
+    assert got == {"most": 4, "finished": 12, "restored": True, "uncapped": 12}
 
 
 def _refilled() -> dict:
@@ -234,4 +234,8 @@ def _refilled() -> dict:
     with concurrency_cap(llm, 4):
         _, finished, most = _drive(sched, hasher, make_prompts(12, 0, lo=24, hi=60), 8)
     after = {n: getattr(sched, n) for n in before}
-    return {"most": most, "finished": finished, "restored": after == before}
+    # the control: the same requests on a scheduler of its own, no cap
+    free, _, free_hasher = _scheduler(80, 4, 16, 2000)
+    _, _, uncapped = _drive(free, free_hasher, make_prompts(12, 0, lo=24, hi=60), 8)
+    return {"most": most, "finished": finished, "restored": after == before,
+            "uncapped": uncapped}  # fmt: skip
