@@ -1726,6 +1726,39 @@ def slice_cells(name: str) -> list[Cell]:
             Cell(m, "ngram:acceptance", 64, 8, "v1"),
             Cell("nemotron_h", "ngram:acceptance", 64, 8, "v1", "align"),
         ]
+    if name == "zero-draft-graphs":
+        # decode steps without drafts under CUDA graphs: the steps a graph of
+        # query length 1 serves (no speculation's graph) next to verify steps
+        # (1 + k) and steps with mixed draft counts (piecewise), in turn in
+        # one request's life; every recurrent-state backend with a
+        # speculative path on V1 (GDN, Mamba2, KDA, Bailing's linear
+        # attention), BS 1 / 8 / 16, FULL_DECODE_ONLY, align mode with prefix
+        # hits and async scheduling, short prefill chunks; the fast-apply
+        # fixture's n-gram steps (real zero-draft steps between matches),
+        # fixed k and per-request draft lengths
+        fa, fp, fd = FASTAPPLY, "full_and_piecewise", "full_decode_only"
+        align_async = {"cache_mode": "align", "graphs": fp, "async_sched": True}
+        fa_kw = {"graphs": fp, "max_tokens": 128}
+        cells = []
+        for m in ("qwen3_5", "nemotron_h", "qwen3_next", "granitemoehybrid",
+                  "kimi_linear", "bailing_moe_linear"):  # fmt: skip
+            cells += [
+                Cell(m, "scripted:all_zero", 4, 8, graphs=fp),
+                Cell(m, "scripted:accept_then_zero", 4, 8, graphs=fp),
+                Cell(m, "scripted:heterogeneous", 4, 16, graphs=fp),
+            ]
+        for m in ("qwen3_5", "nemotron_h"):
+            cells += [
+                Cell(m, "scripted:accept_then_zero", 4, 1, graphs=fp),
+                Cell(m, "scripted:accept_then_zero", 4, 8, graphs=fd),
+                Cell(m, "scripted:accept_then_zero", 4, 8, **align_async),
+                Cell(m, "scripted:heterogeneous", 8, 16, graphs=fp, chunked=True),
+            ]
+        return cells + [
+            Cell(fa, "ngram", 64, 8, **fa_kw),
+            Cell(fa, "ngram:acceptance", 64, 8, **fa_kw),
+            Cell(fa, "ngram:acceptance", 64, 16, cache_mode="align", **fa_kw),
+        ]
     if name == "flashinfer":
         # the kernels a Hopper user gets by default instead of the Triton
         # fallbacks every other cell forces: FlashInfer's chunked GDN

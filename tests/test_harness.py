@@ -1086,6 +1086,47 @@ def test_fa3_mtp_probe_is_the_flashinfer_cell_without_flashinfer(tmp_path):
     assert out.stdout.strip() == f"{tmp_path}|", out.stderr
 
 
+def test_zero_draft_graphs_slice_runs_steps_without_drafts_under_graphs():
+    """zero-draft-graphs: every cell captures CUDA graphs on the V1 runner
+    (a step without drafts can take a graph of query length 1 there) and
+    leaves steps without drafts (scripted all_zero / accept_then_zero /
+    heterogeneous, n-gram on the fast-apply fixture); every V1 backend of
+    recurrent state with a speculative path is in it, and so are BS 1,
+    FULL_DECODE_ONLY, align mode with async scheduling, short prefill
+    chunks, and per-request draft lengths."""
+    from harness.equivalence import FASTAPPLY, engine_kwargs, slice_cells, spec_config
+
+    cells = slice_cells("zero-draft-graphs")
+    assert len({json.dumps(c.key(), sort_keys=True) for c in cells}) == len(cells)
+    for c in cells:
+        kw = engine_kwargs(c, "/m", spec_config(c))
+        assert c.graphs in ("full_and_piecewise", "full_decode_only")
+        assert not kw.get("enforce_eager")
+        assert kw["compilation_config"]["cudagraph_mode"] == c.graphs.upper()
+        assert c.runner == "v1"
+        assert c.drafter.split(":")[0] in ("scripted", "ngram")
+        if c.drafter.startswith("scripted:"):
+            assert c.drafter.split(":")[1] in (
+                "all_zero",
+                "accept_then_zero",
+                "heterogeneous",
+            )
+    assert {c.model for c in cells} >= {
+        "qwen3_5",
+        "nemotron_h",
+        "qwen3_next",
+        "granitemoehybrid",
+        "kimi_linear",
+        "bailing_moe_linear",
+        FASTAPPLY,
+    }
+    assert {c.batch for c in cells} >= {1, 8, 16}
+    assert any(c.graphs == "full_decode_only" for c in cells)
+    assert any(c.cache_mode == "align" and c.async_sched for c in cells)
+    assert any(c.chunked for c in cells)
+    assert any(c.drafter == "ngram:acceptance" for c in cells)
+
+
 def test_tp2_probe_slice_tells_compilation_from_speculation():
     """NemotronH at tensor_parallel_size 2 against its eager reference: the
     target compiled without speculation (with full and piecewise graphs, and
