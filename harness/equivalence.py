@@ -1733,11 +1733,11 @@ def slice_cells(name: str) -> list[Cell]:
         # one request's life; every recurrent-state backend with a
         # speculative path on V1 (GDN, Mamba2, KDA, Bailing's linear
         # attention), BS 1 / 8 / 16, FULL_DECODE_ONLY, align mode with prefix
-        # hits and async scheduling, short prefill chunks; the fast-apply
-        # fixture's n-gram steps (real zero-draft steps between matches),
-        # fixed k and per-request draft lengths
+        # hits, short prefill chunks; the fast-apply fixture's n-gram steps
+        # (real zero-draft steps between matches), fixed k and per-request
+        # draft lengths, and GPU n-gram with async scheduling (vLLM refuses
+        # async scheduling with the scripted drafter, a custom class)
         fa, fp, fd = FASTAPPLY, "full_and_piecewise", "full_decode_only"
-        align_async = {"cache_mode": "align", "graphs": fp, "async_sched": True}
         fa_kw = {"graphs": fp, "max_tokens": 128}
         cells = []
         for m in ("qwen3_5", "nemotron_h", "qwen3_next", "granitemoehybrid",
@@ -1751,13 +1751,15 @@ def slice_cells(name: str) -> list[Cell]:
             cells += [
                 Cell(m, "scripted:accept_then_zero", 4, 1, graphs=fp),
                 Cell(m, "scripted:accept_then_zero", 4, 8, graphs=fd),
-                Cell(m, "scripted:accept_then_zero", 4, 8, **align_async),
+                Cell(m, "scripted:accept_then_zero", 4, 8, "v1", "align", fp),
                 Cell(m, "scripted:heterogeneous", 8, 16, graphs=fp, chunked=True),
             ]
         return cells + [
             Cell(fa, "ngram", 64, 8, **fa_kw),
             Cell(fa, "ngram:acceptance", 64, 8, **fa_kw),
             Cell(fa, "ngram:acceptance", 64, 16, cache_mode="align", **fa_kw),
+            Cell(fa, "ngram_gpu", 8, 16, async_sched=True, **fa_kw),
+            Cell(fa, "ngram_gpu", 8, 16, cache_mode="align", async_sched=True, **fa_kw),
         ]
     if name == "flashinfer":
         # the kernels a Hopper user gets by default instead of the Triton
