@@ -1821,6 +1821,23 @@ def slice_cells(name: str) -> list[Cell]:
         twin = next(c for c in slice_cells("flashinfer")
                     if c.drafter == "mtp" and c.chunked)  # fmt: skip
         return [twin, replace(twin, chunked=False)]
+    if name == "chunked-mtp-probe":
+        # fa3-mtp-probe found the drift above in chunked prefill, not in
+        # FlashInfer: without FlashInfer the chunked cell moves the same
+        # entry by the same amount, and unchunked it is identical. Each cell
+        # here is that chunked cell with one part taken away: CUDA graphs
+        # (eager), async scheduling, align mode (none), FA3 (vLLM's Triton
+        # attention), and the MTP head (scripted drafts; synchronous, as
+        # vLLM takes no async scheduling with a custom drafter)
+        twin = slice_cells("fa3-mtp-probe")[0]
+        triton_attn = {k: v for k, v in twin.extra.items() if k != "attention_backend"}
+        return [
+            replace(twin, graphs="eager"),
+            replace(twin, async_sched=False),
+            replace(twin, cache_mode="none"),
+            replace(twin, extra=triton_attn),
+            replace(twin, drafter="scripted:heterogeneous", async_sched=False),
+        ]
     if name == "fuzz-regressions":
         # the fuzzer's shrunk failing configurations (harness.fuzz), each
         # file's "cell": harness/regressions/*.json

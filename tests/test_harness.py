@@ -1086,6 +1086,32 @@ def test_fa3_mtp_probe_is_the_flashinfer_cell_without_flashinfer(tmp_path):
     assert out.stdout.strip() == f"{tmp_path}|", out.stderr
 
 
+def test_chunked_mtp_probe_takes_one_part_away_per_cell():
+    """chunked-mtp-probe: the chunked cell of fa3-mtp-probe with one part
+    taken away per cell (graphs, async, align, FA3, the MTP head), and
+    every other part of its key kept."""
+    from harness.equivalence import slice_cells
+
+    twin = slice_cells("fa3-mtp-probe")[0]
+    cells = slice_cells("chunked-mtp-probe")
+    base = twin.key()
+    keys = [c.key() for c in cells]
+    changed = [
+        {k for k in base.keys() | ck.keys() if base.get(k) != ck.get(k)} for ck in keys
+    ]
+    assert changed == [
+        {"graphs"},
+        {"async"},
+        {"cache_mode"},
+        {"engine"},
+        {"drafter", "async"},
+    ]
+    assert all(c.chunked for c in cells)
+    assert "attention_backend" not in cells[3].extra
+    assert cells[3].extra["gdn_prefill_backend"] == twin.extra["gdn_prefill_backend"]
+    assert cells[4].drafter.startswith("scripted:") and cells[4].k == twin.k
+
+
 def test_zero_draft_graphs_slice_runs_steps_without_drafts_under_graphs():
     """zero-draft-graphs: every cell captures CUDA graphs on the V1 runner
     (a step without drafts can take a graph of query length 1 there) and
