@@ -1826,7 +1826,9 @@ def slice_cells(name: str) -> list[Cell]:
         # FlashInfer: without FlashInfer the chunked cell moves the same
         # entry by the same amount, and unchunked it is identical. Each cell
         # here is that chunked cell with one part taken away: CUDA graphs
-        # (eager), async scheduling, align mode (none), FA3 (vLLM's Triton
+        # (eager), async scheduling, align mode (none), the second wave of
+        # requests that hits the prefix cache on blocks written while
+        # speculating (one wave, align mode kept), FA3 (vLLM's Triton
         # attention), and the MTP head (scripted drafts; synchronous, as
         # vLLM takes no async scheduling with a custom drafter)
         twin = slice_cells("fa3-mtp-probe")[0]
@@ -1835,6 +1837,7 @@ def slice_cells(name: str) -> list[Cell]:
             replace(twin, graphs="eager"),
             replace(twin, async_sched=False),
             replace(twin, cache_mode="none"),
+            replace(twin, turns=1),
             replace(twin, extra=triton_attn),
             replace(twin, drafter="scripted:heterogeneous", async_sched=False),
         ]

@@ -1088,8 +1088,8 @@ def test_fa3_mtp_probe_is_the_flashinfer_cell_without_flashinfer(tmp_path):
 
 def test_chunked_mtp_probe_takes_one_part_away_per_cell():
     """chunked-mtp-probe: the chunked cell of fa3-mtp-probe with one part
-    taken away per cell (graphs, async, align, FA3, the MTP head), and
-    every other part of its key kept."""
+    taken away per cell (graphs, async, align, the second wave's prefix
+    hits, FA3, the MTP head), and every other part of its key kept."""
     from harness.equivalence import slice_cells
 
     twin = slice_cells("fa3-mtp-probe")[0]
@@ -1103,13 +1103,15 @@ def test_chunked_mtp_probe_takes_one_part_away_per_cell():
         {"graphs"},
         {"async"},
         {"cache_mode"},
+        {"turns"},
         {"engine"},
         {"drafter", "async"},
     ]
     assert all(c.chunked for c in cells)
-    assert "attention_backend" not in cells[3].extra
-    assert cells[3].extra["gdn_prefill_backend"] == twin.extra["gdn_prefill_backend"]
-    assert cells[4].drafter.startswith("scripted:") and cells[4].k == twin.k
+    assert twin.cache_mode == "align" and twin.turns == 2 and cells[3].turns == 1
+    assert "attention_backend" not in cells[4].extra
+    assert cells[4].extra["gdn_prefill_backend"] == twin.extra["gdn_prefill_backend"]
+    assert cells[5].drafter.startswith("scripted:") and cells[5].k == twin.k
 
 
 def test_zero_draft_graphs_slice_runs_steps_without_drafts_under_graphs():
