@@ -185,6 +185,37 @@ def record_run(
     return rec.traces, meta
 
 
+def step_classes(traces: list[list[list[int]]], k: int, batch: int) -> dict:
+    """How the engine steps of the trace's rows, replayed ``batch`` at a
+    time in closed batches (``benchmarks.decode_latency --trace``: the rows
+    of a round start together and a row leaves when its trace ends), fall
+    into the CUDA-graph classes of vLLM's V1 runner with
+    ``num_speculative_tokens=k``: ``plain`` (no row carries a draft, and
+    no row accepted a draft the step before, so every recurrent state is in
+    its first slot: the decode graph of query length 1, which v0.26.0
+    captures for such steps from stable patch 37 on, piecewise before),
+    ``verify`` (every row carries k drafts: a uniform decode of query
+    length 1 + k, the verify graph), ``piecewise`` (any other step: mixed
+    draft counts, or no drafts right after an accepted one).
+    A trailing round of fewer than ``batch`` rows is left out, as the
+    replay leaves it. Shares of all steps, and the step count."""
+    counts = {"plain": 0, "verify": 0, "piecewise": 0}
+    for start in range(0, len(traces) - batch + 1, batch):
+        rows = traces[start : start + batch]
+        for step in range(max(len(r) for r in rows)):
+            drafts = [r[step][0] for r in rows if step < len(r)]
+            accepted_before = any(r[step - 1][1] for r in rows if 0 < step < len(r))
+            if not any(drafts) and not accepted_before:
+                counts["plain"] += 1
+            elif all(d == k for d in drafts):
+                counts["verify"] += 1
+            else:
+                counts["piecewise"] += 1
+    total = sum(counts.values())
+    shares = {c: round(n / total, 4) if total else None for c, n in counts.items()}
+    return {"batch": batch, "steps": total, **shares}
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -207,6 +238,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p = sub.add_parser("summary", help="acceptance of a trace file")
     p.add_argument("path")
+    p.add_argument(
+        "--batch-sizes",
+        default="",
+        help="e.g. 1,8,32,64: also the CUDA-graph class of each step of a "
+        "closed-batch replay at these batch sizes (step_classes)",
+    )
     a = ap.parse_args(argv)
     if a.cmd == "record":
         traces, meta = record_run(
@@ -224,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         meta, traces = load(Path(a.path))
         print(json.dumps({**meta, **summary(traces)}))
+        for bs in filter(None, a.batch_sizes.split(",")):
+            print(json.dumps(step_classes(traces, meta["k"], int(bs))))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ and their replay through the benchmark's scripted drafter."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -63,6 +64,37 @@ def test_write_load_summary_round_trip(tmp_path):
     s = traces.summary(got)
     assert s["drafted"] == 8 and s["accepted"] == 6
     assert s["acceptance_rate"] == 0.75 and s["steps_without_drafts"] == 0.3333
+
+
+def test_step_classes_of_closed_batches(capsys, tmp_path):
+    """Steps where no row drafts, and no row accepted a draft the step
+    before, are plain; steps where every row carries k drafts are verify
+    steps; any other step (mixed counts, k > d > 0 also at BS 1, no drafts
+    right after an accepted one) runs piecewise; a row that ended leaves
+    the batch; a trailing round smaller than the batch is left out."""
+    rows = [
+        [[0, 0], [4, 4], [2, 1]],
+        [[0, 0], [4, 0]],
+        [[4, 1], [4, 2], [0, 0], [0, 0]],
+        [[0, 0], [0, 0], [0, 0], [0, 0]],
+        [[4, 4]],
+    ]
+    one = traces.step_classes(rows, 4, 1)
+    # row 2's first step without drafts follows an accepted draft
+    assert one["steps"] == 14 and one["plain"] == round(7 / 14, 4)
+    assert one["verify"] == round(5 / 14, 4) and one["piecewise"] == round(2 / 14, 4)
+    # rounds (rows 0, 1) and (2, 3); row 4 is left out
+    two = traces.step_classes(rows, 4, 2)
+    assert two["steps"] == 7
+    assert (two["plain"], two["verify"], two["piecewise"]) == (
+        round(2 / 7, 4), round(1 / 7, 4), round(4 / 7, 4))  # fmt: skip
+    empty = traces.step_classes(rows, 4, 8)
+    assert empty["steps"] == 0 and empty["plain"] is None
+    path = tmp_path / "t.jsonl"
+    traces.write({str(i): r for i, r in enumerate(rows)}, path, {"k": 4})
+    traces.main(["summary", str(path), "--batch-sizes", "1,2"])
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert out[1] == one and out[2] == two
 
 
 def test_replay_follows_the_recorded_steps():
