@@ -183,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(vllm.v1.spec_decode.dynamic.acceptance), fed with the scripted rows",
     )
     ap.add_argument(
+        "--uniform-draft-padding",
+        action="store_true",
+        help="scripted70 and ngram_nomatch: the fork's uniform_draft_padding "
+        "(v0.26.0 stable patch 38): a step whose requests carry drafts, not "
+        "all of them k, has them padded to k with rejected placeholders and "
+        "replays the verify graph instead of running piecewise",
+    )
+    ap.add_argument(
         "--draft-token-cost",
         type=float,
         default=0.005,
@@ -246,6 +254,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--scripted-k in 1..{max_k}, --accept-rate in [0, 1]")
     if a.draft_policy != "fixed" and a.mode != "scripted70":
         ap.error("--draft-policy is for scripted70")
+    if a.uniform_draft_padding and a.mode not in ("scripted70", "ngram_nomatch"):
+        ap.error("--uniform-draft-padding is for scripted70 and ngram_nomatch")
     if a.mode == "ngram_nomatch" and not (
         a.ngram_k >= 1 and 1 <= a.prompt_lookup_min <= a.prompt_lookup_max
     ):
@@ -337,6 +347,8 @@ def engine_kwargs(a: argparse.Namespace, model_dir: str) -> dict:
             "benchmark_combo_kernel": False,
         }
     spec = spec_config(a)
+    if spec and getattr(a, "uniform_draft_padding", False):
+        spec["uniform_draft_padding"] = True
     if spec:
         kw["speculative_config"] = spec
     return kw
@@ -933,6 +945,7 @@ def run(a: argparse.Namespace) -> int:
         "accept_rate": a.accept_rate if a.mode == "scripted70" else None,
         "trace": a.trace if a.mode == "scripted70" else None,
         "draft_policy": a.draft_policy if a.mode == "scripted70" else None,
+        "uniform_draft_padding": a.uniform_draft_padding,
         "ref_iters": a.ref_iters if a.mode == "scripted70" else None,
         "runner": a.runner,
         "cache_mode": a.cache_mode,

@@ -36,7 +36,8 @@
 #       (REPLAY_POLICY=0: not; REPLAY_VARIANTS=fork: the fork alone); speedups
 #       over no speculation
 #       (benchmarks.configs_report): $OUT/replay-<trace name>;
-#       REPLAY_REFILL=1 keeps BS requests in flight instead of closed batches
+#       REPLAY_REFILL=1 keeps BS requests in flight instead of closed batches;
+#       REPLAY_PADDING=1 adds the fork with uniform_draft_padding
 set -u
 R=$PWD
 OUT=${OUT:-$R/out}
@@ -136,6 +137,15 @@ print(max(1, min(64, max((d for t in load(sys.argv[1])[1] for d, _ in t), defaul
       --modes scripted70 --out "$OUT/replay-$name/policy" --run "trace-$name-policy" \
       --deadline $((end - SECONDS)) \
       -- "${bench[@]}" --draft-policy acceptance --label scripted_policy
+  fi
+  # REPLAY_PADDING=1: the fork's uniform_draft_padding on the same drafts
+  # (stable patch 38: mixed draft counts padded to k, the verify graph
+  # replayed), after the runs above
+  if [[ ${REPLAY_PADDING:-0} == 1 && -n $(compgen -G "$OUT/replay-$name/scripted70-*.json") ]]; then
+    in_variant fork python3 -m benchmarks.side_by_side --variants fork \
+      --modes scripted70 --out "$OUT/replay-$name/padded" --run "trace-$name-padded" \
+      --deadline $((end - SECONDS)) \
+      -- "${bench[@]}" --uniform-draft-padding --label scripted_padded
   fi
   python3 -m benchmarks.configs_report "$OUT/replay-$name" --baseline none \
     --out "$OUT/replay-$name" --run "speedup-$name" 2>&1 | tail -3

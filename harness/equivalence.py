@@ -333,6 +333,11 @@ def engine_kwargs(cell: Cell, model_dir: str, spec: dict | None) -> dict:
     # a cell's compilation options (the tp2-probe's inductor settings) join
     # the CUDA graph mode its ``graphs`` (or a teacher-forced pass) set
     compile_extra = extra.pop("compilation_config", None)
+    # speculative options beyond the drafter's (e.g. the fork's
+    # uniform_draft_padding) join its speculative config
+    spec_extra = extra.pop("speculative_config", None)
+    if spec_extra and "speculative_config" in kw:
+        kw["speculative_config"] = {**kw["speculative_config"], **spec_extra}
     kw.update(extra)
     if compile_extra:
         kw["compilation_config"] = {**kw.get("compilation_config", {}), **compile_extra}
@@ -1760,6 +1765,49 @@ def slice_cells(name: str) -> list[Cell]:
             Cell(fa, "ngram:acceptance", 64, 16, cache_mode="align", **fa_kw),
             Cell(fa, "ngram_gpu", 8, 16, async_sched=True, **fa_kw),
             Cell(fa, "ngram_gpu", 8, 16, cache_mode="align", async_sched=True, **fa_kw),
+        ]
+    if name == "draft-padding":
+        # the fork's uniform_draft_padding (v0.26.0 stable patch 38): a step
+        # whose requests carry drafts, but not all of them k, has every
+        # request's drafts padded to k with placeholders the rejection
+        # sampler rejects, so it replays the verify graph instead of running
+        # piecewise. Mixed draft counts under CUDA graphs on every V1
+        # backend of recurrent state with a speculative path, BS 1 / 8 / 16,
+        # FULL_DECODE_ONLY, align mode with prefix hits, short prefill
+        # chunks (no padding beside a prompt chunk), n-gram on the
+        # fast-apply fixture with fixed and per-request draft lengths
+        fa, fp, fd = FASTAPPLY, "full_and_piecewise", "full_decode_only"
+        pad = {"speculative_config": {"uniform_draft_padding": True}}
+        cells = []
+        for m in ("qwen3_5", "nemotron_h", "qwen3_next", "granitemoehybrid",
+                  "kimi_linear", "bailing_moe_linear"):  # fmt: skip
+            cells += [
+                Cell(m, "scripted:heterogeneous", 4, 16, graphs=fp, extra=pad),
+                Cell(m, "scripted:random", 4, 8, graphs=fp, extra=pad),
+            ]
+        for m in ("qwen3_5", "nemotron_h"):
+            cells += [
+                Cell(m, "scripted:heterogeneous", 4, 1, graphs=fp, extra=pad),
+                Cell(m, "scripted:heterogeneous", 4, 8, graphs=fd, extra=pad),
+                Cell(m, "scripted:boundary", 4, 8, "v1", "align", fp, extra=pad),
+                Cell(
+                    m,
+                    "scripted:heterogeneous",
+                    8,
+                    16,
+                    graphs=fp,
+                    chunked=True,
+                    extra=pad,
+                ),  # fmt: skip
+            ]
+        fa_kw = {"graphs": fp, "max_tokens": 128, "extra": pad}
+        return cells + [
+            Cell(fa, "ngram", 8, 8, **fa_kw),
+            # k=64: a captured graph (512 tokens at most) holds 7 requests of
+            # 65 tokens, so BS 4
+            Cell(fa, "ngram", 64, 4, **fa_kw),
+            Cell(fa, "ngram:acceptance", 64, 4, **fa_kw),
+            Cell(fa, "ngram", 8, 16, cache_mode="align", **fa_kw),
         ]
     if name == "flashinfer":
         # the kernels a Hopper user gets by default instead of the Triton

@@ -389,11 +389,27 @@ def test_fixed_fusion_keeps_combo_kernels_and_stops_their_timing():
         ["--mode", "none", "--out", "x", "--prompt-len", "600,300"],
         ["--mode", "bogus", "--out", "x"],
         ["--mode", "none"],
+        ["--mode", "none", "--out", "x", "--uniform-draft-padding"],
+        ["--mode", "mtp", "--out", "x", "--uniform-draft-padding"],
     ],
 )
 def test_parse_args_rejects(argv, capsys):
     with pytest.raises(SystemExit):
         dl.parse_args(argv)
+
+
+def test_uniform_draft_padding_joins_the_speculative_config():
+    """--uniform-draft-padding: the fork's option in the speculative config of
+    the scripted and n-gram modes, and nowhere else; recorded in the JSON."""
+    for mode in ("scripted70", "ngram_nomatch"):
+        a = dl.parse_args(["--mode", mode, "--out", "x", "--uniform-draft-padding"])
+        spec = dl.engine_kwargs(a, "/m")["speculative_config"]
+        assert spec == {**dl.spec_config(a), "uniform_draft_padding": True}
+        plain = dl.parse_args(["--mode", mode, "--out", "x"])
+        assert (
+            "uniform_draft_padding"
+            not in dl.engine_kwargs(plain, "/m")["speculative_config"]
+        )
 
 
 def test_make_prompts_distinct_tokens():

@@ -1114,6 +1114,39 @@ def test_chunked_mtp_probe_takes_one_part_away_per_cell():
     assert cells[5].drafter.startswith("scripted:") and cells[5].k == twin.k
 
 
+def test_draft_padding_slice_turns_the_option_on_under_graphs():
+    """draft-padding: every cell captures CUDA graphs on V1, leaves steps
+    with mixed draft counts, and passes uniform_draft_padding into its
+    speculative config beside the drafter's own options (the engine gets no
+    such keyword of its own); every V1 backend of recurrent state with a
+    speculative path is in it."""
+    from harness.equivalence import FASTAPPLY, engine_kwargs, slice_cells, spec_config
+
+    cells = slice_cells("draft-padding")
+    assert len({json.dumps(c.key(), sort_keys=True) for c in cells}) == len(cells)
+    for c in cells:
+        kw = engine_kwargs(c, "/m", spec_config(c))
+        assert kw["speculative_config"] == {
+            **spec_config(c),
+            "uniform_draft_padding": True,
+        }
+        assert "uniform_draft_padding" not in kw and not kw.get("enforce_eager")
+        assert c.runner == "v1" and not c.async_sched
+        assert c.drafter.split(":")[0] in ("scripted", "ngram")
+        assert c.drafter not in ("scripted:all_zero", "scripted:all_accept")
+        assert c.key()["engine"] == {
+            "speculative_config": {"uniform_draft_padding": True}
+        }
+    assert {c.model for c in cells} >= {
+        "qwen3_5", "nemotron_h", "qwen3_next", "granitemoehybrid",
+        "kimi_linear", "bailing_moe_linear", FASTAPPLY}  # fmt: skip
+    assert {c.graphs for c in cells} == {"full_and_piecewise", "full_decode_only"}
+    assert any(c.cache_mode == "align" for c in cells)
+    assert any(c.chunked for c in cells)
+    # a captured graph of at most 512 tokens holds the padded batch
+    assert all(c.batch * (1 + c.k) <= 512 for c in cells)
+
+
 def test_zero_draft_graphs_slice_runs_steps_without_drafts_under_graphs():
     """zero-draft-graphs: every cell captures CUDA graphs on the V1 runner
     (a step without drafts can take a graph of query length 1 there) and
