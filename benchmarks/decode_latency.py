@@ -467,7 +467,8 @@ def step_record(dt: float, sched, outputs, prompt_lens: dict[str, int]) -> StepR
         else:  # not seen as new: infer from the scheduled token count
             is_prefill = n_sched.get(rid, 0) != 1 + len(spec.get(rid, ()))
         prefill += int(is_prefill)
-    drafts = sum(len(v) for v in spec.values())
+    # placeholders (-1: the fork's uniform_draft_padding) are no drafts
+    drafts = sum(t >= 0 for v in spec.values() for t in v)
     out_tokens = live = accepted = finished = 0
     for o in getattr(outputs, "outputs", None) or ():
         n_new = len(o.new_token_ids)
@@ -475,7 +476,7 @@ def step_record(dt: float, sched, outputs, prompt_lens: dict[str, int]) -> StepR
         if getattr(o, "finish_reason", None) is not None:
             finished += 1
             continue
-        d = len(spec.get(o.request_id, ()))
+        d = sum(t >= 0 for t in spec.get(o.request_id, ()))
         if d and n_new:
             live += d
             accepted += n_new - 1

@@ -200,6 +200,20 @@ def test_step_record_classifies_prefill_mixed_and_decode():
     assert (r3.drafts, r3.live_drafts, r3.accepted) == (8, 4, 4)
 
 
+def test_step_record_counts_placeholders_as_no_drafts():
+    """A step whose drafts were padded with placeholders (-1, the fork's
+    uniform_draft_padding) counts only the real drafts; the rows are still
+    decodes of 1 + k scheduled tokens."""
+    lens: dict[str, int] = {}
+    rec = step_record(
+        0.01, _sched({"a": 5, "b": 5}, cached=[("a", 500), ("b", 500)],
+                     spec={"a": [1, 2, -1, -1], "b": [-1, -1, -1, -1]}),
+        _outs(("a", 2, False), ("b", 1, False)), lens,
+    )  # fmt: skip
+    assert (rec.decode, rec.tokens, rec.drafts) == (True, 10, 2)
+    assert (rec.live_drafts, rec.accepted, rec.out_tokens) == (2, 1, 3)
+
+
 def test_step_record_without_known_prompt_uses_token_counts():
     lens: dict[str, int] = {}
     dec = step_record(0.01, _sched({"x": 3}, cached=[("x", 500)], spec={"x": [1, 2]}),
