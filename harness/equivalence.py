@@ -1778,6 +1778,7 @@ def slice_cells(name: str) -> list[Cell]:
         # fast-apply fixture with fixed and per-request draft lengths
         fa, fp, fd = FASTAPPLY, "full_and_piecewise", "full_decode_only"
         pad = {"speculative_config": {"uniform_draft_padding": True}}
+        chunked = {"graphs": fp, "chunked": True, "extra": pad}
         cells = []
         for m in ("qwen3_5", "nemotron_h", "qwen3_next", "granitemoehybrid",
                   "kimi_linear", "bailing_moe_linear"):  # fmt: skip
@@ -1790,15 +1791,7 @@ def slice_cells(name: str) -> list[Cell]:
                 Cell(m, "scripted:heterogeneous", 4, 1, graphs=fp, extra=pad),
                 Cell(m, "scripted:heterogeneous", 4, 8, graphs=fd, extra=pad),
                 Cell(m, "scripted:boundary", 4, 8, "v1", "align", fp, extra=pad),
-                Cell(
-                    m,
-                    "scripted:heterogeneous",
-                    8,
-                    16,
-                    graphs=fp,
-                    chunked=True,
-                    extra=pad,
-                ),  # fmt: skip
+                Cell(m, "scripted:heterogeneous", 8, 16, **chunked),
             ]
         fa_kw = {"graphs": fp, "max_tokens": 128, "extra": pad}
         return cells + [
